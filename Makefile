@@ -1,0 +1,42 @@
+# Two commands: `make demo` and `make test`. Both build .venv from nothing on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+DEMO   := out/demo
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+# Install order from shared/research/environment.md: CPU torch first (the box's local wheel),
+# then the project, then Dynamo's dependencies and Dynamo itself with --no-deps (its
+# `aisimulate` dependency is a stub that downloads from an unreachable index), then NIXL
+# (the meta package wants both CUDA builds, so it too goes in with --no-deps).
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[kernels,convert,serve,dev]'
+	$(PIP) install -q ai-dynamo-runtime==1.6.1 'aiohttp<4.0,>=3.14.3' 'certifi>=2026.10.19' \
+	    'kubernetes<33.0.0,>=32.0.1' 'msgspec>=0.19.0' 'prometheus-client<1.0,>=0.23.1' \
+	    'pyzmq>=26.0.0' 'redis<9.0.0,>=6.2.0' 'tqdm>=4.0.0' 'transformers>=4.56.0' \
+	    'typing-extensions>=4.10.0' 'zstandard<1.0,>=0.23.0' uvloop
+	$(PIP) install -q --no-deps ai-dynamo==1.6.1
+	$(PIP) install -q nixl-cu12==1.3.2
+	$(PIP) install -q --no-deps nixl==1.3.2
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	rm -rf $(DEMO)
+	$(BIN)/beam-trt init-tiny $(DEMO)/tiny --seed 0
+	$(BIN)/beam-trt info $(DEMO)/tiny --context 4096
+	$(BIN)/beam-trt generate $(DEMO)/tiny --chat --max-new-tokens 24 \
+	    --prompt "Write a function that adds two numbers."
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,101 @@
+"""`beam-trt`: the command line. Commands parse options and call library functions; no logic here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .config import PRESETS, BeamConfig, ConfigError, preset
+
+
+class BeamCLIError(click.ClickException):
+    """Shown as `Error: ...` with exit code 1 (no traceback)."""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """beam-trt: Beam 1.0 from Hugging Face checkpoint to a served deployment."""
+
+
+@main.command("info")
+@click.argument("ckpt_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), help="A shipped preset.")
+@click.option("--context", default=1 << 20, show_default=True, help="Context length for the KV estimate.")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="fp8", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+def info_cmd(ckpt_dir, preset_name, context, kv_dtype, as_json):
+    """Parameter counts, layer map, KV and weight memory of a preset or checkpoint."""
+    from .info import format_report, report
+
+    if (ckpt_dir is None) == (preset_name is None):
+        raise click.UsageError("give exactly one of CKPT_DIR or --preset")
+    try:
+        cfg = preset(preset_name) if preset_name else BeamConfig.from_hf(ckpt_dir)
+    except ConfigError as exc:
+        raise BeamCLIError(str(exc)) from exc
+    r = report(cfg, context, kv_dtype)
+    click.echo(json.dumps(r, indent=2) if as_json else format_report(r))
+
+
+@main.command("init-tiny")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
+def init_tiny_cmd(out_dir, seed):
+    """Write a complete, deterministic tiny Beam checkpoint (HF layout, with tokenizer)."""
+    from .tiny import init_tiny
+
+    path = init_tiny(out_dir, seed=seed)
+    cfg = BeamConfig.from_hf(path)
+    click.echo(f"wrote tiny Beam ({cfg.total_params:,} parameters, seed {seed}) to {path}")
+
+
+@main.command("generate")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--prompt", required=True, help="Prompt text (a user message with --chat).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the chat template.")
+@click.option("--max-new-tokens", default=32, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", default=None, type=int)
+def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed):
+    """Generate text from a checkpoint with the plain-PyTorch reference model (CPU), streaming."""
+    _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed):
+    import torch
+
+    from .checkpoint import CheckpointError
+    from .reference import BeamForCausalLM
+    from .tokenizer import TextTokenizer
+
+    try:
+        model = BeamForCausalLM.from_pretrained(model_dir)
+        tok = TextTokenizer(model_dir)
+    except (ConfigError, CheckpointError, FileNotFoundError) as exc:
+        raise BeamCLIError(str(exc)) from exc
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    ids = tok.encode(text)
+    if not ids:
+        raise BeamCLIError("the prompt encodes to zero tokens")
+    eos = model.config.eos_token_id
+    eos_ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+    click.echo(text, nl=False)
+    new: list[int] = []
+    shown = ""
+    for token in model.stream(torch.tensor([ids]), max_new_tokens, temperature, top_k, top_p,
+                              seed, eos_ids):
+        new.append(int(token[0]))
+        text_now = tok.decode(new)
+        click.echo(text_now[len(shown):], nl=False)
+        sys.stdout.flush()
+        shown = text_now
+    click.echo()
+
+
+if __name__ == "__main__":
+    main()

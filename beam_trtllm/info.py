@@ -1,0 +1,110 @@
+"""`beam-trt info`: sizes, layer map, KV and weight memory derived from a BeamConfig."""
+
+from __future__ import annotations
+
+from .config import BeamConfig
+
+GIB = 1 << 30
+
+# Bytes per parameter of each weight class under the three checkpoint precisions that
+# `beam-trt convert` writes (recipes fp8 and nvfp4): NVFP4 = 4-bit values + one FP8 scale
+# per 16; the router stays FP32 and embeddings, lm_head, g_proj and norms stay BF16.
+_BYTES = {
+    "bf16": {"experts": 2, "dense_mlp": 2, "attn_qkvo": 2},
+    "fp8": {"experts": 1, "dense_mlp": 1, "attn_qkvo": 1},
+    "nvfp4": {"experts": 0.5625, "dense_mlp": 0.5625, "attn_qkvo": 1},
+}
+
+
+def param_classes(cfg: BeamConfig) -> dict[str, int]:
+    """Parameter count per weight class (they add up to cfg.total_params)."""
+    h, n_layers = cfg.hidden_size, cfg.num_hidden_layers
+    n_moe = len(cfg.moe_layers)
+    qkvo = 2 * h * cfg.q_size + 2 * h * cfg.kv_size
+    counts = {
+        "embed_lm_head": 2 * cfg.vocab_size * h,
+        "attn_qkvo": n_layers * qkvo,
+        "g_proj": n_layers * h * cfg.num_attention_heads,
+        "norms": n_layers * (4 * h + 2 * cfg.head_dim) + h,
+        "dense_mlp": len(cfg.dense_layers) * cfg.dense_mlp_params,
+        "experts": n_moe * cfg.n_routed_experts * cfg.expert_params,
+        "router": n_moe * cfg.router_params,
+    }
+    assert sum(counts.values()) == cfg.total_params
+    return counts
+
+
+def weight_bytes(cfg: BeamConfig, precision: str) -> int:
+    per = _BYTES[precision]
+    total = 0.0
+    for cls, n in param_classes(cfg).items():
+        total += n * (4 if cls == "router" else per.get(cls, 2))
+    return int(total)
+
+
+def layer_map(cfg: BeamConfig) -> list[dict]:
+    return [
+        {"layer": i, "attention": "full" if cfg.is_full(i) else "sliding",
+         "ffn": "moe" if cfg.is_moe(i) else "dense"}
+        for i in range(cfg.num_hidden_layers)
+    ]
+
+
+def report(cfg: BeamConfig, context: int, kv_dtype: str) -> dict:
+    return {
+        "total_params": cfg.total_params,
+        "active_params": cfg.active_params,
+        "layers": cfg.num_hidden_layers,
+        "dense_layers": list(cfg.dense_layers),
+        "moe_layers": [cfg.moe_layers[0], cfg.moe_layers[-1]] if cfg.moe_layers else [],
+        "full_layers": list(cfg.full_layers),
+        "sliding_layers": list(cfg.sliding_layers),
+        "layer_map": layer_map(cfg),
+        "kv_bytes_per_token": {d: cfg.kv_bytes_per_token(d) for d in ("bf16", "fp8")},
+        "sliding_kv_bytes_per_sequence": cfg.sliding_kv_bytes_per_sequence(kv_dtype),
+        "context": context,
+        "kv_dtype": kv_dtype,
+        "kv_bytes_full_layers": context * cfg.kv_bytes_per_token(kv_dtype),
+        "kv_bytes_sequence": cfg.kv_bytes(context, kv_dtype),
+        "weight_bytes": {p: weight_bytes(cfg, p) for p in _BYTES},
+    }
+
+
+def _size(n: float) -> str:
+    for unit, div in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _ranges(idx: list[int]) -> str:
+    return ", ".join(str(i) for i in idx) if idx else "-"
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        f"parameters      total {_count(r['total_params'])}   active {_count(r['active_params'])}"
+        f"   ({r['total_params']:,} / {r['active_params']:,})",
+        f"layers          {r['layers']}: dense {_ranges(r['dense_layers'])}; "
+        f"moe {r['moe_layers'][0]}..{r['moe_layers'][1]}" if r["moe_layers"] else "",
+        f"full attention  {_ranges(r['full_layers'])}",
+        f"sliding window  {len(r['sliding_layers'])} layers",
+        "layer map       " + " ".join(
+            ("F" if m["attention"] == "full" else "s") + ("M" if m["ffn"] == "moe" else "D")
+            for m in r["layer_map"]
+        ) + "   (F/s = full/sliding attention, M/D = MoE/dense)",
+        f"KV per token    {_size(r['kv_bytes_per_token']['bf16'])} BF16, "
+        f"{_size(r['kv_bytes_per_token']['fp8'])} FP8 (full layers only)",
+        f"KV at {r['context']:,} tokens ({r['kv_dtype']}): {_size(r['kv_bytes_full_layers'])} full layers"
+        f" + {_size(r['kv_bytes_sequence'] - r['kv_bytes_full_layers'])} sliding windows"
+        f" = {_size(r['kv_bytes_sequence'])} per sequence",
+        "weights         " + ", ".join(f"{p.upper()} {_size(b)}" for p, b in r["weight_bytes"].items()),
+    ]
+    return "\n".join(line for line in lines if line)

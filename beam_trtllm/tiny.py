@@ -1,0 +1,77 @@
+"""`beam-trt init-tiny`: a complete, deterministic tiny Beam in Hugging Face layout.
+
+Weights are random at realistic scales: embeddings of unit variance (the residual stream
+starts at unit variance), projections ~ N(0, 1/fan_in), norm weights near 1, and an lm_head
+whose logits have a standard deviation of about 2 (peaked but not dominated by one token).
+Each tensor has its own seed derived from (seed, name), so the result does not depend on
+the order tensors are made in.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import torch
+
+from .checkpoint import expected_tensors, save_sharded
+from .config import PRESETS, BeamConfig
+from .tokenizer import END_OF_TEXT, IM_END, PAD, write_tokenizer_files
+
+LOGIT_STD = 2.0
+SPECIAL_LOGIT_DAMPING = 0.25
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def random_tensor(cfg: BeamConfig, name: str, shape, dtype, seed: int) -> torch.Tensor:
+    """One tensor of a random Beam at the scale its role calls for."""
+    gen = _generator(seed, name)
+    normal = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name.endswith("norm.weight") or "layernorm" in name:
+        value = 1.0 + 0.1 * normal
+    elif name == "model.embed_tokens.weight":
+        value = normal
+    elif name == "lm_head.weight":
+        value = normal * LOGIT_STD / cfg.hidden_size**0.5
+    elif name.endswith("e_score_correction_bias"):
+        value = 0.05 * normal
+    else:  # projections and the router: fan_in is the last dim
+        value = normal / shape[-1] ** 0.5
+    return value.to(dtype)
+
+
+def random_state_dict(cfg: BeamConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    return {
+        name: random_tensor(cfg, name, shape, dtype, seed)
+        for name, (shape, dtype) in expected_tensors(cfg).items()
+    }
+
+
+def init_tiny(out_dir: str | Path, seed: int = 0, cfg: BeamConfig | None = None,
+              max_shard_bytes: int = 512 << 10) -> Path:
+    """Write config, sharded BF16 weights (router FP32), generation config and tokenizer."""
+    cfg = cfg or PRESETS["tiny"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer_files(out, cfg.vocab_size, cfg.max_position_embeddings)
+    eos = [ids[IM_END], ids[END_OF_TEXT]]
+    cfg = cfg.replace(bos_token_id=ids[END_OF_TEXT], eos_token_id=eos, pad_token_id=ids[PAD])
+    (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    generation = {
+        "bos_token_id": ids[END_OF_TEXT],
+        "eos_token_id": eos,
+        "pad_token_id": ids[PAD],
+        "do_sample": False,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    state = random_state_dict(cfg, seed)
+    # A random model would end most answers at once if the stop tokens were as likely as any
+    # other: damp their logits so generated text has some length.
+    special = sorted(ids.values())
+    state["lm_head.weight"][special] *= SPECIAL_LOGIT_DAMPING
+    save_sharded(state, out, max_shard_bytes)
+    return out
