@@ -97,5 +97,46 @@ def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, to
     click.echo()
 
 
+@main.command("serve")
+@click.argument("graph_file", type=click.Path(path_type=Path))
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="Overrides the graph's engine_dir.")
+@click.option("--port", type=int, default=None, help="Overrides frontend.http_port (0 = a free port).")
+@click.option("--run-dir", type=click.Path(path_type=Path), default=None,
+              help="Private folder for discovery, logs and offload (default: a new temp dir).")
+def serve_cmd(graph_file, engine_dir, port, run_dir):
+    """Serve a Dynamo graph on 127.0.0.1 (frontend + workers) until Ctrl-C."""
+    from dynamo_graphs.serve import serve
+
+    _run_graph_command(lambda: serve(graph_file, engine_dir, port, run_dir))
+
+
+@main.command("k8s")
+@click.argument("graph_file", type=click.Path(path_type=Path))
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="Overrides the graph's engine_dir.")
+@click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
+              help="Take the architecture from a preset instead of ENGINE_DIR/config.json.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write here instead of stdout.")
+def k8s_cmd(graph_file, engine_dir, preset_name, output):
+    """Render a graph as a DynamoGraphDeployment manifest (nvidia.com/v1beta1)."""
+    from dynamo_graphs.serve import render_k8s
+
+    text = _run_graph_command(lambda: render_k8s(graph_file, engine_dir, preset_name))
+    if output:
+        output.write_text(text)
+        click.echo(f"wrote {output}")
+    else:
+        click.echo(text, nl=False)
+
+
+def _run_graph_command(fn):
+    from dynamo_graphs.graph import GraphError
+    from dynamo_graphs.launch import LaunchError
+
+    try:
+        return fn()
+    except (GraphError, LaunchError, ConfigError) as exc:
+        raise BeamCLIError(str(exc)) from exc
+
+
 if __name__ == "__main__":
     main()

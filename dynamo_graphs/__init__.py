@@ -1,0 +1,1 @@
+"""Serving Beam through NVIDIA Dynamo: graphs (YAML), the launcher, k8s manifests, the worker."""
