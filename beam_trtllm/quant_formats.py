@@ -36,8 +36,10 @@ def unpack_nvfp4_codes(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize_nvfp4(packed, weight_scale, weight_scale_2, dtype=torch.float32) -> torch.Tensor:
     values = e2m1_table(packed.device)[unpack_nvfp4_codes(packed)]  # [..., K]
-    block = weight_scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
-    return (values * block * weight_scale_2.float()).to(dtype)
+    # (block scale * global scale) first, then the E2M1 value: ModelOpt's order, so a decode
+    # here equals NVFP4QTensor.dequantize bit for bit.
+    block = (weight_scale.float() * weight_scale_2.float()).repeat_interleave(NVFP4_BLOCK, dim=-1)
+    return (values * block).to(dtype)
 
 
 def dequantize_fp8(weight, weight_scale, dtype=torch.float32) -> torch.Tensor:
@@ -56,3 +58,92 @@ def fake_quant_fp8_activation(x: torch.Tensor, input_scale: torch.Tensor) -> tor
     """What a static per-tensor FP8 activation quantizer does to x (W8A8 GEMM inputs)."""
     q = (x.float() / input_scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return (q.float() * input_scale.float()).to(x.dtype)
+
+
+def quantize_fp8_per_token_block(x: torch.Tensor, eps: float = 1e-10):
+    """Dynamic FP8 activation quantization, one scale per token per 128 channels (DeepSeek-V3).
+
+    x [..., K] -> (q float8_e4m3fn [..., K], scale fp32 [..., ceil(K/128)]) with
+    scale = max(amax(group), eps) / 448 and q = clamp(x / scale, +-448). `eps` keeps an all-zero
+    group finite (its codes are 0). The kernels compute exactly this (FP32 math).
+    """
+    k = x.shape[-1]
+    groups = -(-k // FP8_BLOCK)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * FP8_BLOCK - k))
+    xf = xf.unflatten(-1, (groups, FP8_BLOCK))
+    scale = xf.abs().amax(-1).clamp_min(eps) / FP8_MAX
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2)[..., :k], scale
+
+
+def fake_quant_fp8_per_token_block(x: torch.Tensor) -> torch.Tensor:
+    """What the per-token-per-128 dynamic quantizer does to x (block-FP8 GEMM inputs)."""
+    q, scale = quantize_fp8_per_token_block(x)
+    groups = scale.shape[-1]
+    k = x.shape[-1]
+    qf = torch.nn.functional.pad(q.float(), (0, groups * FP8_BLOCK - k)).unflatten(-1, (groups, -1))
+    return (qf * scale[..., None]).flatten(-2)[..., :k].to(x.dtype)
+
+
+# ---------------------------------------------------------------------------- encode side
+# Byte-identical to ModelOpt 0.47 (checked in tests/test_quant_encoders.py against the installed
+# package): the converter and the kernels' tests make weights with these.
+def quantize_fp8(weight: torch.Tensor):
+    """FP8 per tensor as `export_hf_checkpoint` writes it: (weight fp8 [N, K], weight_scale fp32 []).
+
+    scale = amax / 448 in FP32; the division weight / scale runs in the weight's own dtype
+    (a 0-d FP32 scale does not promote a BF16 tensor), as ModelOpt's export does.
+    """
+    scale = (weight.abs().amax().float() / FP8_MAX).reshape(())
+    return (weight / scale).to(torch.float8_e4m3fn), scale
+
+
+def quantize_fp8_block(weight: torch.Tensor):
+    """FP8 128x128 blocks as ModelOpt's FP8QTensor.quantize(block_sizes={-1: 128, -2: 128}):
+    (weight fp8 [N, K], weight_scale fp32 [ceil(N/128), ceil(K/128)]). The block amax and the
+    division run in the weight's dtype; edge blocks are zero-padded before the amax."""
+    n, k = weight.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = torch.nn.functional.pad(weight, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
+    blocks = padded.view(nb, FP8_BLOCK, kb, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    expanded = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    q = (padded / expanded).to(torch.float8_e4m3fn)[:n, :k]
+    return q, scale.float()
+
+
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_ROUND_UP_TIES = (0.75, 1.75, 3.5)  # ties that round to the even (upper) code
+
+
+def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even E2M1 codes (sign << 3 | magnitude index), as ModelOpt's _cast_fp4."""
+    magnitude = scaled.abs()
+    index = torch.zeros(scaled.shape, dtype=torch.uint8, device=scaled.device)
+    for bound in _E2M1_BOUNDS:  # searchsorted(left): the number of bounds strictly below
+        index += (magnitude > bound).to(torch.uint8)
+    for tie in _E2M1_ROUND_UP_TIES:
+        index += (magnitude == tie).to(torch.uint8)
+    return ((scaled < 0).to(torch.uint8) << 3) + index
+
+
+def nvfp4_scale_2(weight: torch.Tensor) -> torch.Tensor:
+    """The per-tensor NVFP4 scale amax / (6 * 448), FP32 []. Linears that share an input share
+    the max of their values (ModelOpt's fused-input rule: q/k/v, an expert's gate/up)."""
+    return (weight.abs().amax().float() / (E2M1_MAX * FP8_MAX)).reshape(())
+
+
+def quantize_nvfp4(weight: torch.Tensor, weight_scale_2: torch.Tensor | None = None):
+    """NVFP4 as ModelOpt's NVFP4QTensor.quantize(weight, 16): returns (packed uint8 [N, K/2],
+    weight_scale float8_e4m3fn [N, K/16], weight_scale_2 fp32 [])."""
+    if weight.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 needs the input dim to be a multiple of 16, got {weight.shape[-1]}")
+    scale_2 = nvfp4_scale_2(weight) if weight_scale_2 is None else weight_scale_2.float()
+    blocks = weight.unflatten(-1, (-1, NVFP4_BLOCK))
+    block_scale = blocks.abs().amax(-1).float() / (E2M1_MAX * scale_2)
+    block_scale[block_scale == 0] = 1.0
+    block_scale = block_scale.clamp(min=2**-9, max=FP8_MAX).to(torch.float8_e4m3fn)
+    scaled = (blocks / (block_scale.float() * scale_2)[..., None]).flatten(-2)
+    codes = _e2m1_codes(scaled)
+    packed = (codes[..., 1::2] << 4) | codes[..., 0::2]
+    return packed, block_scale, scale_2
