@@ -1,0 +1,216 @@
+"""`beam-trt build`: a converted checkpoint -> an engine dir (docs/DESIGN.md §4).
+
+The engine dir is everything a server needs: `engine.json` (config, target, options, kernel
+choices, KV memory plan, input checkpoint hash, tool versions, every file's size and SHA-256),
+the repacked weights (`weights-NNNNN.safetensors`, one file per group: embedding, each layer,
+head), `config.json`, `generation_config.json` and the tokenizer files. It is written into a
+temporary sibling directory and renamed into place at the end, so an interrupted build never
+leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from ..checkpoint import CheckpointError, atomic_save, weight_map
+from ..config import BeamConfig
+from .plan import BuildOptions, kv_plan
+from .types import EngineError
+from .weights import iter_engine_tensors
+
+ENGINE_FORMAT = "beam-trt-engine"
+ENGINE_FORMAT_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+EXTRA_FILES = ("special_tokens_map.json", "chat_template.jinja")
+
+
+class CheckpointReader:
+    """Lazy tensor access to a checkpoint that remembers which tensors were used, so a build
+    can refuse tensors it does not understand (a mismatched or foreign checkpoint)."""
+
+    def __init__(self, ckpt_dir: Path):
+        self.dir = ckpt_dir
+        try:
+            self.files = weight_map(ckpt_dir)
+        except CheckpointError as exc:
+            raise EngineError(str(exc)) from exc
+        self._handles: dict[Path, object] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        self.used: set[str] = set()
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        if name not in self.files:
+            return None
+        if name not in self._dtypes:
+            self._dtypes[name] = self._handle(self.files[name]).get_slice(name).get_dtype()
+        return _DTYPES.get(self._dtypes[name], self._dtypes[name])
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise EngineError(f"{self.dir}: checkpoint has no tensor {name}")
+        self.used.add(name)
+        return self._handle(self.files[name]).get_tensor(name)
+
+    def unused(self) -> list[str]:
+        return sorted(set(self.files) - self.used)
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+           "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_hash(ckpt_dir: Path) -> str:
+    """SHA-256 over the names and contents of every file of the checkpoint dir."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in ckpt_dir.iterdir() if p.is_file()):
+        h.update(path.name.encode() + b"\0" + sha256_file(path).encode())
+    return h.hexdigest()
+
+
+def tool_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("beam-trt", "triton", "safetensors", "tokenizers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def _kv_dtype(reader: CheckpointReader, cfg: BeamConfig, opts: BuildOptions) -> str:
+    layers = range(cfg.num_hidden_layers)
+    have = [reader.dtype(f"model.layers.{i}.self_attn.k_proj.k_scale") is not None for i in layers]
+    if opts.kv_dtype == "fp8" and not all(have):
+        missing = have.index(False)
+        raise EngineError(f"--kv-dtype fp8 needs calibrated KV scales, but the checkpoint has no "
+                          f"model.layers.{missing}.self_attn.k_proj.k_scale; convert with FP8 KV "
+                          "or build with --kv-dtype bf16")
+    kv = opts.kv_dtype or ("fp8" if all(have) else "bf16")
+    if kv == "bf16":  # the scales are not used: mark them so they are not "unexpected"
+        reader.used.update(f"model.layers.{i}.self_attn.{n}_proj.{n}_scale" for i in layers
+                           for n in ("k", "v") if reader.dtype(f"model.layers.{i}.self_attn.{n}_proj.{n}_scale"))
+    return kv
+
+
+def kernel_choices(target: str, plan: dict, kv_dtype: str) -> dict:
+    """Which beam:: op runs each part; autotuning needs the GPU, so a build without one says
+    it is left to the first load."""
+    experts = sorted({layer.get("experts") for layer in plan.values() if layer.get("experts")})
+    linear = sorted({seg["format"] for layer in plan.values() for name, segs in layer.items()
+                     if name != "experts" for seg in segs})
+    ops = {"norms": "beam::rmsnorm, beam::add_rmsnorm", "attention": "beam::qk_prep, beam::attention, beam::cache_write",
+           "router": "beam::group_router",
+           "moe": [f"beam::moe_{fmt}" for fmt in experts],
+           "linear": [("torch.matmul" if f == "bf16" else f"beam::linear_{f}") for f in linear],
+           "kv_cache": kv_dtype}
+    on_gpu = torch.cuda.is_available()
+    if target == "cpu":
+        tune = {"status": "not applicable: the CPU runs the ops' plain-torch references"}
+    elif on_gpu:
+        tune = {"status": "at first load: Triton autotunes each kernel on this device's shapes "
+                          "(cached in the process, ~seconds)", "device": torch.cuda.get_device_name()}
+    else:
+        tune = {"status": "left to first load: no GPU on the build machine, so Triton's "
+                          "autotuning and the CUDA graph captures run when the engine loads"}
+    return {"ops": ops, "autotune": tune}
+
+
+def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOptions,
+                 progress: Callable[[str], None] = lambda msg: None, overwrite: bool = False) -> Path:
+    ckpt_dir, engine_dir = Path(ckpt_dir), Path(engine_dir)
+    if engine_dir.exists() and any(engine_dir.iterdir()) and not overwrite:
+        raise EngineError(f"{engine_dir} exists and is not empty; remove it or pass --overwrite")
+    cfg = BeamConfig.from_hf(ckpt_dir)
+    for name in TOKENIZER_FILES:
+        if not (ckpt_dir / name).is_file():
+            raise EngineError(f"{ckpt_dir / name} is missing: an engine dir must carry the "
+                              "tokenizer (Dynamo's frontend and `beam-trt generate` read it)")
+    reader = CheckpointReader(ckpt_dir)
+    kv_dtype = _kv_dtype(reader, cfg, opts)
+    kv = kv_plan(cfg, opts, kv_dtype)
+    tmp = engine_dir.with_name(f".{engine_dir.name}.building-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        layer_plan, files = _write_weights(reader, cfg, tmp, kv_dtype, progress)
+        unused = reader.unused()
+        if unused:
+            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+            raise EngineError(f"{ckpt_dir}: unexpected tensor {unused[0]}{more}: not part of a "
+                              "Beam checkpoint of this config")
+        files.update(_copy_side_files(ckpt_dir, tmp, cfg))
+        progress("hashing the input checkpoint")
+        spec = {
+            "format": ENGINE_FORMAT, "format_version": ENGINE_FORMAT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config": json.loads((tmp / "config.json").read_text()),
+            "target": opts.target, "options": opts.to_json(),
+            "quantization": {"kv_cache": kv_dtype, "layers": layer_plan},
+            "kernels": kernel_choices(opts.target, layer_plan, kv_dtype),
+            "kv_plan": kv.to_json(),
+            "checkpoint": {"path": str(ckpt_dir.resolve()), "sha256": checkpoint_hash(ckpt_dir)},
+            "tools": tool_versions(),
+            "files": files,
+        }
+        (tmp / "engine.json").write_text(json.dumps(spec, indent=2))
+        if engine_dir.exists():
+            shutil.rmtree(engine_dir)
+        os.replace(tmp, engine_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"engine written to {engine_dir}")
+    return engine_dir
+
+
+def _write_weights(reader, cfg, out: Path, kv_dtype: str, progress):
+    plan, files = {}, {}
+    groups = cfg.num_hidden_layers + 2
+    for k, (group, tensors, layer_plan) in enumerate(
+            iter_engine_tensors(reader.get, reader.dtype, cfg), start=1):
+        if kv_dtype == "bf16":
+            tensors = {n: t for n, t in tensors.items() if not n.endswith(("k_scale", "v_scale"))}
+        name = f"weights-{k:05d}-of-{groups:05d}.safetensors"
+        atomic_save(out / name, tensors, metadata={"format": "pt", "group": group})
+        files[name] = {"bytes": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
+        if layer_plan:
+            plan[group] = layer_plan
+        progress(f"[{k}/{groups}] {group}: {len(tensors)} tensors, "
+                 f"{sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20:.1f} MiB")
+    return plan, files
+
+
+def _copy_side_files(ckpt_dir: Path, out: Path, cfg: BeamConfig) -> dict:
+    names = ["config.json", *TOKENIZER_FILES, *EXTRA_FILES, "generation_config.json"]
+    for name in names:
+        if (ckpt_dir / name).is_file():
+            shutil.copyfile(ckpt_dir / name, out / name)
+    if not (out / "generation_config.json").is_file():
+        gen = {k: v for k, v in cfg.to_hf().items() if k.endswith("token_id")}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return {name: {"bytes": (out / name).stat().st_size, "sha256": sha256_file(out / name)}
+            for name in names if (out / name).is_file()}

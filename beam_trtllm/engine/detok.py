@@ -1,0 +1,69 @@
+"""Incremental detokenization with stop strings.
+
+Decoding only a short window of recent tokens keeps the cost per token constant (the
+prefix/read offsets of vLLM's incremental detokenizer): a byte-level BPE token can end in
+the middle of a UTF-8 character, so a delta is released only once it no longer ends in the
+replacement character. While stop strings are set, the last `max(len(stop)) - 1` characters
+are held back, so a client never sees the beginning of a stop string that then matches; the
+matched stop string and everything after it are cut off.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+# A token may need this many predecessors to decode the same way it will in context.
+_CONTEXT_TOKENS = 5
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+        self.tok = tokenizer
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""      # everything decoded so far (cut at a matched stop string)
+        self.emitted = 0    # characters of `text` already handed out
+        self.stopped = False
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Feed generated tokens; returns the text that can be shown now."""
+        for t in token_ids:
+            if self.stopped:
+                break
+            self.ids.append(int(t))
+            self._decode_step()
+        return self._release(final=self.stopped)
+
+    def finish(self) -> str:
+        """The request ended: release what was held back."""
+        return self._release(final=True)
+
+    def _decode_step(self) -> None:
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return
+        before = len(self.text)
+        self.text += full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.stop:
+            self._check_stop(max(0, before - self.hold))
+
+    def _check_stop(self, search_from: int) -> None:
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out

@@ -1,0 +1,241 @@
+"""`Engine`: the runtime API servers and scripts use (docs/DESIGN.md §4).
+
+    engine = Engine.from_dir(path)
+    engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=64))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+One `step()` schedules (scheduler.py), builds the ops' index tensors (batch.py), runs the
+forward (model.py; on CUDA pure decode steps replay a captured graph, graphs.py), samples
+(sampler.py), applies stop conditions, makes newly full blocks reusable and hands the KV events
+to the installed sink. The engine is not thread-safe by itself; every public method takes one
+lock, so a server may call add_request/abort from another thread than the step loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..config import BeamConfig
+from .batch import build_step
+from .block_manager import BlockManager
+from .disagg import DisaggMixin
+from .engine_dir import check_device, load_weights, read_engine_dir
+from .kv_cache import KVCache
+from .model import BeamModel
+from .outputs import OutputMixin
+from .plan import BuildOptions, KVPlan, cdiv
+from .request import Request, State
+from .scheduler import Scheduler
+from .types import EngineError, KVUsage, SamplingParams
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Engine(DisaggMixin, OutputMixin):
+    def __init__(self, cfg: BeamConfig, weights: dict[str, torch.Tensor], layer_plan: dict,
+                 options: BuildOptions, kv_plan: KVPlan, device: torch.device | str = "cpu",
+                 tokenizer=None, eos_token_ids: Sequence[int] = (), use_cuda_graphs: bool = True):
+        self.cfg, self.options, self.kv_plan = cfg, options, kv_plan
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        k_scales, v_scales = _kv_scales(weights, cfg) if kv_plan.kv_dtype == "fp8" else ({}, {})
+        self.kv = KVCache(cfg, kv_plan.num_blocks, kv_plan.block_size, kv_plan.max_seqs,
+                          kv_plan.kv_dtype, self.device, k_scales, v_scales)
+        self.blocks = BlockManager(kv_plan.num_blocks, kv_plan.block_size,
+                                   self.kv.read_block, self.kv.write_block)
+        self.scheduler = Scheduler(self.blocks, self.kv, options.max_batch, options.max_num_tokens,
+                                   len(cfg.sliding_layers), cfg.sliding_window)
+        self.model = BeamModel(cfg, weights, layer_plan, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.generator = torch.Generator(device=self.device).manual_seed(0)
+        self.kv_event_sink = None
+        self._pending_outputs: list = []
+        self._arrivals = itertools.count()
+        self._lock = threading.RLock()
+        self.graphs = None
+        if self.device.type == "cuda" and use_cuda_graphs and options.cuda_graph_batch_sizes:
+            from .graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, options, kv_plan, cfg, self.device)
+        self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                      "restored_tokens": 0, "preemptions": 0}
+
+    @classmethod
+    def from_dir(cls, path: str | Path, device: torch.device | str | None = None,
+                 verify: bool = True, use_cuda_graphs: bool = True) -> "Engine":
+        """Load an engine dir; refuses a corrupt or mismatched one (see engine_dir.py)."""
+        from ..tokenizer import TextTokenizer
+
+        device = torch.device(device) if device is not None else default_device()
+        spec = read_engine_dir(path, verify=verify)
+        check_device(spec, device)
+        weights = load_weights(spec, device)
+        tokenizer = TextTokenizer(spec.path)
+        eos = spec.cfg.eos_token_id
+        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+        return cls(spec.cfg, weights, spec.layer_plan, spec.options, spec.kv, device, tokenizer,
+                   eos_ids, use_cuda_graphs)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    sampling: SamplingParams | None = None, *, prefill_only: bool = False,
+                    kv_reserved=None) -> None:
+        """Queue a request. EngineError if it is malformed or could never fit; `prefill_only`
+        keeps its KV after the first token for `kv_export`; `kv_reserved` (a `kv_reserve`
+        handle with `first_token` set, filled by a transport) continues decoding from there."""
+        with self._lock:
+            sampling = sampling or SamplingParams()
+            prompt = self._check_prompt(request_id, prompt_token_ids, kv_reserved is not None)
+            max_total = min(len(prompt) + sampling.max_tokens, self.options.max_seq_len)
+            need = cdiv(max_total - 1, self.kv_plan.block_size)
+            if need > self.kv_plan.num_blocks:
+                raise EngineError(
+                    f"request {request_id!r}: {len(prompt)} prompt + {sampling.max_tokens} new "
+                    f"tokens need {need} KV blocks, the engine has {self.kv_plan.num_blocks}; it "
+                    "can never fit (lower max_tokens or rebuild with more --kv-memory)")
+            req = Request(request_id, prompt, sampling, next(self._arrivals), max_total,
+                          prefill_only=prefill_only)
+            req.detok = self._detokenizer(req)
+            if kv_reserved is not None:
+                self._continue_reserved(req, kv_reserved)
+            else:
+                self.scheduler.add(req)
+            self.requests[request_id] = req
+
+    def _check_prompt(self, request_id: str, ids: Sequence[int], reserved: bool) -> list[int]:
+        old = self.requests.get(request_id)
+        if old is not None and old.state != State.FINISHED and not (reserved and old.state == State.RESERVED):
+            raise EngineError(f"request {request_id!r} is already in the engine ({old.state.value})")
+        prompt = [int(t) for t in ids]
+        if not prompt:
+            raise EngineError(f"request {request_id!r}: the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise EngineError(f"request {request_id!r}: token id {bad[0]} is outside the "
+                              f"vocabulary [0, {self.cfg.vocab_size})")
+        if len(prompt) >= self.options.max_seq_len:
+            raise EngineError(f"request {request_id!r}: the prompt has {len(prompt)} tokens, "
+                              f"--max-seq-len is {self.options.max_seq_len} (it must leave room "
+                              "for at least one generated token)")
+        return prompt
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at any time and free its KV (pinned exports and reservations too).
+        Returns False for an unknown or already finished request."""
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None or req.state == State.FINISHED:
+                return False
+            if req.state in (State.PINNED, State.RESERVED):
+                self.scheduler.release(req)
+                self.requests.pop(request_id, None)
+                return True
+            self._finish(req, "abort")
+            return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self):
+        with self._lock:
+            outputs = self._pending_outputs
+            self._pending_outputs = []
+            outputs += self._emit_handoff_tokens()
+            chunks = self.scheduler.schedule()
+            if chunks:
+                logits = self._forward(chunks)
+                outputs += self._after_forward(chunks, logits)
+            self._flush_events()
+            self.stats["steps"] += 1
+            self.stats["preemptions"] = sum(r.num_preemptions for r in self.requests.values())
+            return outputs
+
+    def _forward(self, chunks) -> torch.Tensor:
+        decode_only = all(c.n == 1 for c in chunks)
+        if self.graphs is not None and decode_only and len(chunks) <= self.graphs.max_batch:
+            self.stats["graph_steps"] += 1
+            return self.graphs.run(chunks)
+        inputs = build_step(chunks, self.kv_plan.block_size, self.cfg.sliding_window, self.device)
+        return self.model.forward(inputs)
+
+    # ------------------------------------------------------------------ accounting
+    def kv_usage(self) -> KVUsage:
+        """Full-attention blocks held by requests (cached-but-free blocks count as free)."""
+        return KVUsage(self.blocks.num_used, self.blocks.num_blocks, self.blocks.block_size)
+
+    def load_snapshot(self) -> dict:
+        """The load a router weighs (Dynamo's ComponentSnapshot fields plus ours)."""
+        with self._lock:
+            states = [r.state for r in self.requests.values()]
+            return {
+                "kv_used_blocks": self.blocks.num_used, "kv_total_blocks": self.blocks.num_blocks,
+                "kv_cached_blocks": self.blocks.num_cached, "block_size": self.blocks.block_size,
+                "ring_rows_free": self.kv.free_rows, "ring_rows_total": self.kv.max_seqs,
+                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_pinned": states.count(State.PINNED), "num_reserved": states.count(State.RESERVED),
+                "max_batch": self.options.max_batch, **self.stats,
+                "prefix_hits": self.blocks.stats["hits"],
+            }
+
+    def set_kv_event_sink(self, sink) -> None:
+        """`sink.stored(list[StoredBlock])` / `sink.removed(list[int])`, called in order after
+        each step (from the thread that runs `step`)."""
+        self.kv_event_sink = sink
+
+    def set_kv_tier(self, offload=None, fetch=None) -> None:
+        """Secondary KV tier: `offload(block_hash, parent_hash, token_ids, kv)` when a reusable
+        block is evicted, `fetch(block_hash) -> kv | None` on a prefix miss. `kv` is
+        [n_full_layers, 2, block_size, Hkv, D] in the cache dtype, on the engine's device."""
+        self.blocks.offload, self.blocks.fetch = offload, fetch
+
+    def _flush_events(self) -> None:
+        events = self.blocks.drain_events()
+        if self.kv_event_sink is None:
+            return
+        for kind, items in events:
+            getattr(self.kv_event_sink, kind)(items)
+
+    # ------------------------------------------------------------------ scripts
+    def generate(self, prompts, sampling: SamplingParams | None = None) -> list[dict]:
+        """Run prompts (strings or token-id lists) to completion; returns per prompt
+        {"token_ids", "text", "finish_reason", "logprobs"} in order."""
+        with self._lock:
+            ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+            for rid, prompt in zip(ids, prompts):
+                tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                self.add_request(rid, tokens, sampling)
+        results = {rid: {"token_ids": [], "text": "", "finish_reason": None, "logprobs": []} for rid in ids}
+        while any(results[r]["finish_reason"] is None for r in ids):
+            for out in self.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    continue
+                res["token_ids"] += out.new_token_ids
+                res["text"] += out.text
+                res["logprobs"] += out.logprobs or []
+                if out.finished:
+                    res["finish_reason"] = out.finish_reason
+                    self.requests.pop(out.request_id, None)
+        return [results[r] for r in ids]
+
+
+def _kv_scales(weights: dict, cfg: BeamConfig) -> tuple[dict, dict]:
+    ks, vs = {}, {}
+    for i in range(cfg.num_hidden_layers):
+        for kind, out in (("k", ks), ("v", vs)):
+            name = f"model.layers.{i}.self_attn.{kind}_scale"
+            if name not in weights:
+                raise EngineError(f"FP8 KV cache: engine weights have no {name}")
+            out[i] = float(weights[name])
+    return ks, vs
