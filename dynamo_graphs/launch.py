@@ -96,6 +96,8 @@ def worker_argv(graph: Graph, spec: WorkerSpec, run_dir: Path | None, index: int
         disk = o.disk_dir or (run_dir / "offload" if run_dir else Path("/tmp/beam-offload"))
         argv += ["--offload-disk-mib", str(o.disk_mib),
                  "--offload-disk-dir", str(Path(disk) / f"{spec.name}-{index}")]
+    if run_dir is not None:
+        argv += ["--status-file", str(run_dir / "status" / f"{spec.name}-{index}.json")]
     return argv
 
 
@@ -257,7 +259,7 @@ def launch(graph: Graph, run_dir: str | Path | None = None, echo: TextIO | None 
            progress: Callable[[str], None] | None = None) -> RunningGraph:
     """Start every component of `graph` in parallel and wait until it serves."""
     run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix=f"beam-{graph.name}-"))
-    for sub in ("discovery", "home", "logs", "offload"):
+    for sub in ("discovery", "home", "logs", "offload", "status"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     running = RunningGraph(graph, run_dir, echo)
     try:
