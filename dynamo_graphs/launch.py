@@ -67,6 +67,7 @@ def loopback_env(run_dir: Path) -> dict[str, str]:
         "UCX_TLS": env.get("UCX_TLS", "sm,tcp,self"),
         "UCX_NET_DEVICES": "lo",
         "PYTHONUNBUFFERED": "1",
+        "NO_COLOR": "1",  # plain log lines: prefixed, grepped by tests, stored in files
     })
     for var in HOST_VARS:
         env[var] = LOOPBACK

@@ -188,10 +188,15 @@ class BeamWorker(LLMEngine):
         self._ids += 1
         rid = f"{context.id()}-{self._ids}"
         prompt = [int(t) for t in request["token_ids"]]
+        max_seq_len = self.engine.options.max_seq_len
         try:
-            sampling = sampling_params(request, self.engine.options.max_seq_len, self.role)
+            sampling = sampling_params(request, max_seq_len, self.role)
         except ValueError as exc:  # EngineError subclasses ValueError
             raise InvalidArgument(f"request {context.id()}: {exc}") from None
+        if self.role != "prefill" and len(prompt) + sampling.max_tokens > max_seq_len:
+            raise InvalidArgument(
+                f"request {context.id()}: {len(prompt)} prompt tokens + max_tokens "
+                f"{sampling.max_tokens} exceed the context length {max_seq_len}")
         add = await self._admission(rid, prompt, sampling, request)
         self._by_context[context.id()] = rid
         pending = self.loop.submit(rid, add)
@@ -241,8 +246,8 @@ class BeamWorker(LLMEngine):
 def _dynamo_error(exc: BaseException, request_id: str) -> Exception:
     from beam_trtllm.engine.types import EngineError
 
-    if isinstance(exc, EngineError):
-        return InvalidArgument(f"request {request_id}: {exc}")
+    if isinstance(exc, EngineError):  # its message already names the request
+        return InvalidArgument(str(exc))
     return Unknown(f"request {request_id}: {exc}")
 
 

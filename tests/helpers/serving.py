@@ -1,0 +1,67 @@
+"""Helpers of the serving tests (graphs from the shipped YAMLs, status files, clients)."""
+
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from dynamo_graphs.graph import load_graph
+from dynamo_graphs.launch import launch
+
+GRAPHS = Path(__file__).resolve().parents[2] / "dynamo_graphs"
+
+
+def graph_from(name, tmp_path, engine_dir, **edits):
+    raw = yaml.safe_load((GRAPHS / name).read_text())
+    for key, value in edits.items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
+        node[leaf] = value
+    raw["frontend"]["http_port"] = 0
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return load_graph(path, engine_dir=engine_dir)
+
+
+def launch_graph(name, edits, tmp_path_factory, engine_dir):
+    """Launch a shipped graph (with `edits` as dotted-path: value) on a free port."""
+    tmp = tmp_path_factory.mktemp(name.split(".")[0])
+    return launch(graph_from(name, tmp, engine_dir, **edits), tmp / "run", echo=None)
+
+
+def client(running, timeout=120):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{running.url}/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+
+def worker_status(running) -> dict[str, dict]:
+    out = {}
+    for name in running.worker_names():
+        comp = running.components[name]
+        path = running.run_dir / "status" / f"{name}.json"
+        if comp.proc.poll() is None and path.exists():
+            out[name] = json.loads(path.read_text())
+    return out
+
+
+def wait_all_free(running, timeout_s=20.0) -> dict[str, dict]:
+    """Poll until every live worker holds no KV (blocks, pins, reservations, requests)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = worker_status(running)
+        held = {n: {k: s.get(k) for k in ("kv_used_blocks", "num_running", "num_waiting",
+                                          "num_pinned", "num_reserved", "in_flight")}
+                for n, s in status.items()
+                if s["kv_used_blocks"] or s["num_running"] or s["num_waiting"]
+                or s["num_pinned"] or s["num_reserved"] or s["in_flight"]}
+        if not held and status:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV still held after {timeout_s} s: {held}")
+        time.sleep(0.1)
+
+

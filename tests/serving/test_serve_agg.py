@@ -1,0 +1,164 @@
+"""The real Dynamo frontend over HTTP in front of two aggregated Beam workers (KV router)."""
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from beam_trtllm.engine.types import SamplingParams
+from beam_trtllm.tokenizer import TextTokenizer
+
+from helpers.serving import client, launch_graph, wait_all_free, worker_status
+
+EXTRA = {"nvext": {"extra_fields": ["worker_id", "completion_token_ids"]}}
+
+
+@pytest.fixture(scope="module")
+def agg(tmp_path_factory, engine_dir):
+    running = launch_graph("agg.yaml", {"workers.0.count": 2}, tmp_path_factory, engine_dir)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def _all_kv_free_after_each_test(agg):
+    yield
+    wait_all_free(agg)
+
+
+def _tokens(resp) -> list[int]:
+    return resp.model_extra["nvext"]["completion_token_ids"]
+
+
+def _worker(resp) -> int:
+    return resp.model_extra["nvext"]["worker_id"]["decode_worker_id"]
+
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "x" * 7 + " = [1, 2, 3]\nfor i in x:"]
+
+
+def test_completions_greedy_output_is_the_engines(agg, direct_engine, engine_dir):
+    tok = TextTokenizer(engine_dir)
+    c = client(agg)
+    expected = direct_engine.generate(PROMPTS, SamplingParams(max_tokens=12))
+    for prompt, want in zip(PROMPTS, expected):
+        resp = c.completions.create(model="beam", prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body=EXTRA)
+        assert _tokens(resp) == want["token_ids"]
+        # The frontend detokenizes the same ids (a cut UTF-8 sequence at the end shows as
+        # U+FFFD there, while the engine's own detokenizer holds it back).
+        assert resp.choices[0].text == tok.decode(want["token_ids"])
+        assert resp.choices[0].finish_reason == want["finish_reason"]
+        stream = c.completions.create(model="beam", prompt=prompt, max_tokens=12, temperature=0,
+                                      stream=True)
+        assert "".join(ch.choices[0].text for ch in stream if ch.choices) == resp.choices[0].text
+
+
+def test_chat_greedy_output_is_the_engines_on_the_chat_template(agg, direct_engine, engine_dir):
+    tok = TextTokenizer(engine_dir)
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    ids = tok.encode(tok.apply_chat_template(messages))
+    want = direct_engine.generate([ids], SamplingParams(max_tokens=10))[0]
+    c = client(agg)
+    resp = c.chat.completions.create(model="beam", messages=messages, max_tokens=10,
+                                     temperature=0, extra_body=EXTRA)
+    assert resp.usage.prompt_tokens == len(ids)
+    assert _tokens(resp) == want["token_ids"]
+    assert resp.choices[0].message.content == tok.decode(want["token_ids"])
+    stream = c.chat.completions.create(model="beam", messages=messages, max_tokens=10,
+                                       temperature=0, stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == resp.choices[0].message.content
+
+
+def test_max_tokens_and_stop_strings(agg, direct_engine):
+    c = client(agg)
+    resp = c.completions.create(model="beam", prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
+    full = direct_engine.generate([PROMPTS[1]], SamplingParams(max_tokens=16))[0]["text"]
+    stop = full[5:9]  # a stop string in the middle of the greedy answer
+    cut = full[:full.index(stop)]
+    for stream in (False, True):
+        resp = c.completions.create(model="beam", prompt=PROMPTS[1], max_tokens=16,
+                                    temperature=0, stop=[stop], stream=stream)
+        chunks = list(resp) if stream else [resp]
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+        assert text == cut and reasons[-1] == "stop"
+
+
+def test_a_repeated_prefix_goes_to_the_worker_that_holds_it(agg):
+    """Two long prefixes that landed on different workers; each continuation goes back to
+    its holder (the router's decision, read from the response), and the holder's prefix
+    cache serves it (its status counts the hit)."""
+    c = client(agg)
+    holder: dict[int, str] = {}
+    for i in range(8):  # bounded: stop once each worker holds one prefix
+        prefix = f"# module {i}\n" + " ".join(f"v{i}_{j} = {j * i}" for j in range(40))
+        resp = c.completions.create(model="beam", prompt=prefix, max_tokens=1, extra_body=EXTRA)
+        holder.setdefault(_worker(resp), prefix)
+        if len(holder) == 2:
+            break
+    assert len(holder) == 2, "the router never used the second worker"
+    before = {s["worker_id"]: s["prefix_hits"] for s in worker_status(agg).values()}
+    for worker_id, prefix in holder.items():
+        for suffix in ("\nprint(1)", "\nprint(2)"):
+            resp = c.completions.create(model="beam", prompt=prefix + suffix, max_tokens=1,
+                                        extra_body=EXTRA)
+            assert _worker(resp) == worker_id
+            assert resp.usage.prompt_tokens_details.cached_tokens >= 16 * 8
+    after = {s["worker_id"]: s["prefix_hits"] for s in worker_status(agg).values()}
+    assert all(after[w] > before[w] for w in holder)
+
+
+def test_200_concurrent_requests_all_complete(agg):
+    from openai import AsyncOpenAI
+
+    async def run():
+        c = AsyncOpenAI(base_url=f"{agg.url}/v1", api_key="unused", timeout=240, max_retries=0)
+        sem = asyncio.Semaphore(200)
+
+        async def one(i):
+            async with sem:
+                return await c.completions.create(model="beam", prompt=f"request {i}: hello",
+                                                  max_tokens=4, temperature=0,
+                                                  extra_body={"ignore_eos": True, **EXTRA})
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), 300)
+        finally:
+            await c.close()
+
+    t0 = time.monotonic()
+    results = asyncio.run(run())
+    assert len(results) == 200
+    assert all(r.usage.completion_tokens == 4 for r in results)
+    assert len({_worker(r) for r in results}) == 2  # the load spread over both workers
+    assert time.monotonic() - t0 < 300
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", {"model": "beam", "messages": "hello"}, 400),
+    ("/v1/chat/completions", {"model": "beam"}, 400),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404),
+    ("/v1/completions", {"model": "beam", "prompt": "hi", "max_tokens": -1}, 400),
+    ("/v1/completions", {"model": "beam", "prompt": "hi", "temperature": "hot"}, 400),
+    ("/v1/completions", {"model": "beam", "prompt": "a " * 1100, "max_tokens": 4}, 400),
+    ("/v1/completions", {"model": "beam", "prompt": "hi", "max_tokens": 5000}, 400),
+    ("/v1/chat/completions", {"model": "beam", "max_tokens": 4,
+                              "messages": [{"role": "user", "content": "b " * 1100}]}, 400),
+])
+def test_malformed_and_overlong_requests_get_4xx(agg, path, body, status):
+    import httpx2 as httpx
+
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} \
+        if isinstance(body, bytes) else {"json": body}
+    resp = httpx.post(agg.url + path, timeout=60, **kwargs)
+    assert resp.status_code == status, resp.text
+    assert resp.json().get("message")
+
+
+def test_openai_client_sees_a_bad_request_error(agg):
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client(agg).completions.create(model="beam", prompt="hi", max_tokens=5000)
