@@ -65,8 +65,8 @@ class Disaggregation:
 
 @dataclass(frozen=True)
 class Offload:
-    host_mib: int = 0  # 0 = no host tier
-    disk_mib: int = 0  # 0 = no disk tier
+    host_mib: float = 0  # 0 = no host tier
+    disk_mib: float = 0  # 0 = no disk tier
     disk_dir: Path | None = None  # None = a private folder of the run
 
 
@@ -260,8 +260,8 @@ def _disaggregation(r: _Reader) -> Disaggregation:
 def _offload(r: _Reader, base: Path) -> Offload:
     disk_dir = r.get("disk_dir", str, None)
     o = Offload(
-        host_mib=r.get("host_mib", int, 0, minimum=0),
-        disk_mib=r.get("disk_mib", int, 0, minimum=0),
+        host_mib=r.get("host_mib", float, 0.0, minimum=0),
+        disk_mib=r.get("disk_mib", float, 0.0, minimum=0),
         disk_dir=(base / disk_dir).resolve() if disk_dir else None,
     )
     r.done()

@@ -263,6 +263,9 @@ def launch(graph: Graph, run_dir: str | Path | None = None, echo: TextIO | None 
     for sub in ("discovery", "home", "logs", "offload", "status"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     running = RunningGraph(graph, run_dir, echo)
+    # Share the cores between the workers instead of oversubscribing them (CPU engines).
+    n_workers = sum(w.count for w in graph.workers)
+    running.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_workers)))
     try:
         running.start_component("frontend", frontend_argv(graph, running.port))
         for spec in graph.workers:

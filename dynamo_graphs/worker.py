@@ -47,8 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-handoff-ttl-s", type=float, default=Timeouts.kv_handoff_ttl_s)
     p.add_argument("--on-transfer-failure", choices=["error", "recompute"], default="error")
     p.add_argument("--max-isl", type=int, default=None)
-    p.add_argument("--offload-host-mib", type=int, default=0)
-    p.add_argument("--offload-disk-mib", type=int, default=0)
+    p.add_argument("--offload-host-mib", type=float, default=0.0)
+    p.add_argument("--offload-disk-mib", type=float, default=0.0)
     p.add_argument("--offload-disk-dir", type=Path, default=None)
     p.add_argument("--status-file", type=Path, default=None)
     return p.parse_args(argv)
@@ -92,6 +92,10 @@ class BeamWorker(LLMEngine):
         t0 = time.monotonic()
         self.engine = await asyncio.to_thread(Engine.from_dir, self.args.engine_dir,
                                               self.args.device)
+        # The first forward pays one-time costs (op registration, allocator, torch.compile
+        # wrappers): pay them here, not in the first user's TTFT. 3 tokens fill no block, so
+        # the warm-up leaves no cached KV and emits no KV events.
+        await asyncio.to_thread(self._warm_up)
         self.engine.set_kv_event_sink(self.events)
         self._start_offload()
         self._start_disagg(worker_id)
@@ -109,13 +113,19 @@ class BeamWorker(LLMEngine):
                                 total_kv_blocks=plan.num_blocks, max_num_seqs=opts.max_batch,
                                 max_num_batched_tokens=opts.max_num_tokens))
 
+    def _warm_up(self) -> None:
+        from beam_trtllm.engine.types import SamplingParams
+
+        bos = self.engine.cfg.bos_token_id or 0
+        self.engine.generate([[bos, bos, bos]], SamplingParams(max_tokens=2, ignore_eos=True))
+
     def _start_offload(self) -> None:
         if not self.args.offload_host_mib:
             return
         from .offload import KvTiers
 
-        self.tiers = KvTiers(self.args.offload_host_mib * MIB, self.args.offload_disk_mib * MIB,
-                             self.args.offload_disk_dir)
+        self.tiers = KvTiers(int(self.args.offload_host_mib * MIB),
+                             int(self.args.offload_disk_mib * MIB), self.args.offload_disk_dir)
         self.engine.set_kv_tier(offload=self.tiers.offload, fetch=self.tiers.fetch)
 
     def _start_disagg(self, worker_id: int) -> None:
@@ -197,7 +207,7 @@ class BeamWorker(LLMEngine):
             raise InvalidArgument(
                 f"request {context.id()}: {len(prompt)} prompt tokens + max_tokens "
                 f"{sampling.max_tokens} exceed the context length {max_seq_len}")
-        add = await self._admission(rid, prompt, sampling, request)
+        add, cached = await self._admission(rid, prompt, sampling, request)
         self._by_context[context.id()] = rid
         pending = self.loop.submit(rid, add)
         finished = exported = False
@@ -208,12 +218,15 @@ class BeamWorker(LLMEngine):
                 if isinstance(item, BaseException):
                     raise _dynamo_error(item, context.id())
                 generated += len(item.new_token_ids)
+                if cached is not None:  # decode: the prefix cache hit happened on prefill
+                    item.num_cached_tokens = cached
                 chunk = output_chunk(item, generated)
                 finished = item.finished
                 if finished and item.finish_reason == "error":
                     raise Unknown(f"request {context.id()}: engine error: {item.error}")
                 if finished and self.prefill is not None and item.finish_reason != "abort":
                     chunk["disaggregated_params"] = self.prefill.export(rid)
+                    chunk["disaggregated_params"]["cached_tokens"] = item.num_cached_tokens
                     exported = True
                 yield chunk
         finally:
@@ -224,10 +237,11 @@ class BeamWorker(LLMEngine):
                 self.engine.release(rid)  # finished but never handed over
 
     async def _admission(self, rid, prompt, sampling, request):
-        """The engine call that queues this request (run later in the step thread)."""
+        """The engine call that queues this request (run later in the step thread), and the
+        prompt tokens the prefill worker's cache served (decode role), else None."""
         engine = self.engine
         if self.role == "prefill":
-            return lambda: engine.add_request(rid, prompt, sampling, prefill_only=True)
+            return lambda: engine.add_request(rid, prompt, sampling, prefill_only=True), None
         if self.role == "decode" and not is_probe(request):
             try:
                 params = require_prefill_result(request, DisaggregationMode.DECODE)
@@ -239,8 +253,9 @@ class BeamWorker(LLMEngine):
                                   f"{exc}") from None
                 log.warning("request %s: KV handoff failed (%s); recomputing the prompt", rid, exc)
             else:
-                return lambda: engine.add_request(rid, prompt, sampling, kv_reserved=reserved)
-        return lambda: engine.add_request(rid, prompt, sampling)
+                return (lambda: engine.add_request(rid, prompt, sampling, kv_reserved=reserved),
+                        int(handle.get("cached_tokens") or 0))
+        return lambda: engine.add_request(rid, prompt, sampling), None
 
 
 def _dynamo_error(exc: BaseException, request_id: str) -> Exception:

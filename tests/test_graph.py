@@ -31,7 +31,7 @@ def test_worker_command_line_carries_the_graph_settings(tmp_path):
     flags = dict(zip(argv[2::2], argv[3::2]))
     assert argv[:2] == ["-m", "dynamo_graphs.worker"]
     assert flags["--engine-dir"] == "/x/engine" and flags["--role"] == "prefill"
-    assert flags["--component"] == "prefill" and flags["--offload-host-mib"] == "64"
+    assert flags["--component"] == "prefill" and flags["--offload-host-mib"] == "64.0"
     assert flags["--offload-disk-dir"] == str(tmp_path / "offload" / "prefill-3")
     assert flags["--kv-transfer-base-s"] == "5.0" and flags["--on-transfer-failure"] == "error"
 
