@@ -10,6 +10,30 @@ from dynamo_graphs.graph import load_graph
 from dynamo_graphs.launch import launch
 
 GRAPHS = Path(__file__).resolve().parents[2] / "dynamo_graphs"
+EXTRA = {"nvext": {"extra_fields": ["worker_id", "completion_token_ids"]}}
+PROMPTS = ["def add(a, b):", "The quick brown fox", "x" * 7 + " = [1, 2, 3]\nfor i in x:"]
+CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
+REF_TOKENS = 16  # greedy reference length; tests compare prefixes of it
+
+
+def long_prompt(tag: str, n_words: int = 26) -> str:
+    """~180 tokens of the tiny tokenizer (about 11 KV blocks of 16)."""
+    return f"# {tag}\n" + " ".join(f"{tag}{j}" for j in range(n_words))
+
+
+def reference_prompts(tokenizer) -> dict:
+    """Every prompt whose greedy continuation the serving tests compare against."""
+    out = {p: tokenizer.encode(p) for p in PROMPTS + [long_prompt("alpha")]}
+    out["chat"] = tokenizer.encode(tokenizer.apply_chat_template(CHAT))
+    return out
+
+
+def expect(reference, key, max_tokens):
+    """(token ids, finish reason) the engine gives for `key` with `max_tokens`."""
+    ids, reason = reference[key]
+    if len(ids) >= max_tokens:
+        return ids[:max_tokens], "length"
+    return ids, reason
 
 
 def graph_from(name, tmp_path, engine_dir, **edits):

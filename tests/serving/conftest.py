@@ -30,10 +30,15 @@ def engine_dir(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def direct_engine(engine_dir):
-    """The same engine dir run in-process: the reference for 'identical greedy output'."""
+def reference(engine_dir):
+    """Greedy outputs of the same engine dir run in-process, in one batch for the session:
+    the reference for 'identical greedy output' through Dynamo."""
     from beam_trtllm.engine.engine import Engine
+    from beam_trtllm.engine.types import SamplingParams
+    from beam_trtllm.tokenizer import TextTokenizer
+    from helpers.serving import REF_TOKENS, reference_prompts
 
-    return Engine.from_dir(engine_dir, device="cpu")
-
-
+    engine = Engine.from_dir(engine_dir, device="cpu")
+    prompts = reference_prompts(TextTokenizer(engine_dir))
+    outs = engine.generate(list(prompts.values()), SamplingParams(max_tokens=REF_TOKENS))
+    return {key: (o["token_ids"], o["finish_reason"]) for key, o in zip(prompts, outs)}

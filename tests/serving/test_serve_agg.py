@@ -6,12 +6,10 @@ import time
 import openai
 import pytest
 
-from beam_trtllm.engine.types import SamplingParams
 from beam_trtllm.tokenizer import TextTokenizer
 
-from helpers.serving import client, launch_graph, wait_all_free, worker_status
-
-EXTRA = {"nvext": {"extra_fields": ["worker_id", "completion_token_ids"]}}
+from helpers.serving import (CHAT, EXTRA, PROMPTS, client, expect, launch_graph, wait_all_free,
+                             worker_status)
 
 
 @pytest.fixture(scope="module")
@@ -35,48 +33,44 @@ def _worker(resp) -> int:
     return resp.model_extra["nvext"]["worker_id"]["decode_worker_id"]
 
 
-PROMPTS = ["def add(a, b):", "The quick brown fox", "x" * 7 + " = [1, 2, 3]\nfor i in x:"]
-
-
-def test_completions_greedy_output_is_the_engines(agg, direct_engine, engine_dir):
+def test_completions_greedy_output_is_the_engines(agg, reference, engine_dir):
     tok = TextTokenizer(engine_dir)
     c = client(agg)
-    expected = direct_engine.generate(PROMPTS, SamplingParams(max_tokens=12))
-    for prompt, want in zip(PROMPTS, expected):
+    for prompt in PROMPTS:
+        want, reason = expect(reference, prompt, 12)
         resp = c.completions.create(model="beam", prompt=prompt, max_tokens=12, temperature=0,
                                     extra_body=EXTRA)
-        assert _tokens(resp) == want["token_ids"]
+        assert _tokens(resp) == want
         # The frontend detokenizes the same ids (a cut UTF-8 sequence at the end shows as
         # U+FFFD there, while the engine's own detokenizer holds it back).
-        assert resp.choices[0].text == tok.decode(want["token_ids"])
-        assert resp.choices[0].finish_reason == want["finish_reason"]
+        assert resp.choices[0].text == tok.decode(want)
+        assert resp.choices[0].finish_reason == reason
         stream = c.completions.create(model="beam", prompt=prompt, max_tokens=12, temperature=0,
                                       stream=True)
         assert "".join(ch.choices[0].text for ch in stream if ch.choices) == resp.choices[0].text
 
 
-def test_chat_greedy_output_is_the_engines_on_the_chat_template(agg, direct_engine, engine_dir):
+def test_chat_greedy_output_is_the_engines_on_the_chat_template(agg, reference, engine_dir):
     tok = TextTokenizer(engine_dir)
-    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
-    ids = tok.encode(tok.apply_chat_template(messages))
-    want = direct_engine.generate([ids], SamplingParams(max_tokens=10))[0]
+    ids = tok.encode(tok.apply_chat_template(CHAT))
+    want, _ = expect(reference, "chat", 10)
     c = client(agg)
-    resp = c.chat.completions.create(model="beam", messages=messages, max_tokens=10,
+    resp = c.chat.completions.create(model="beam", messages=CHAT, max_tokens=10,
                                      temperature=0, extra_body=EXTRA)
     assert resp.usage.prompt_tokens == len(ids)
-    assert _tokens(resp) == want["token_ids"]
-    assert resp.choices[0].message.content == tok.decode(want["token_ids"])
-    stream = c.chat.completions.create(model="beam", messages=messages, max_tokens=10,
+    assert _tokens(resp) == want
+    assert resp.choices[0].message.content == tok.decode(want)
+    stream = c.chat.completions.create(model="beam", messages=CHAT, max_tokens=10,
                                        temperature=0, stream=True)
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert text == resp.choices[0].message.content
 
 
-def test_max_tokens_and_stop_strings(agg, direct_engine):
+def test_max_tokens_and_stop_strings(agg, reference, engine_dir):
     c = client(agg)
     resp = c.completions.create(model="beam", prompt=PROMPTS[0], max_tokens=3, temperature=0)
     assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
-    full = direct_engine.generate([PROMPTS[1]], SamplingParams(max_tokens=16))[0]["text"]
+    full = TextTokenizer(engine_dir).decode(expect(reference, PROMPTS[1], 16)[0])
     stop = full[5:9]  # a stop string in the middle of the greedy answer
     cut = full[:full.index(stop)]
     for stream in (False, True):

@@ -9,12 +9,9 @@ import time
 
 import pytest
 
-from beam_trtllm.engine.types import SamplingParams
+from helpers.serving import (EXTRA, PROMPTS, client, expect, launch_graph, long_prompt,
+                             wait_all_free, worker_status)
 
-from helpers.serving import client, launch_graph, wait_all_free, worker_status
-
-EXTRA = {"nvext": {"extra_fields": ["worker_id", "completion_token_ids"]}}
-PROMPTS = ["def add(a, b):", "The quick brown fox", "x" * 7 + " = [1, 2, 3]\nfor i in x:"]
 BLOCK = 16
 
 
@@ -42,13 +39,12 @@ def _status(running, role):
     return [s for s in worker_status(running).values() if s["role"] == role]
 
 
-def test_disagg_greedy_output_is_the_engines(disagg, direct_engine):
+def test_disagg_greedy_output_is_the_engines(disagg, reference):
     c = client(disagg)
-    expected = direct_engine.generate(PROMPTS, SamplingParams(max_tokens=12))
-    for prompt, want in zip(PROMPTS, expected):
+    for prompt in PROMPTS:
         resp = c.completions.create(model="beam", prompt=prompt, max_tokens=12, temperature=0,
                                     extra_body=EXTRA)
-        assert _tokens(resp) == want["token_ids"]
+        assert _tokens(resp) == expect(reference, prompt, 12)[0]
         ids = resp.model_extra["nvext"]["worker_id"]
         assert ids["prefill_worker_id"] != ids["decode_worker_id"]
     # Every READ's completion notification released the prefill side's pin (none by TTL).
@@ -59,20 +55,16 @@ def test_disagg_greedy_output_is_the_engines(disagg, direct_engine):
     assert prefill["released_ttl"] == prefill["released_failed"] == 0
 
 
-def _long_prompt(tag, n_words=26):
-    return f"# {tag}\n" + " ".join(f"{tag}{j}" for j in range(n_words))
-
-
-def test_an_offloaded_prefix_is_loaded_back_and_gives_identical_tokens(disagg, direct_engine):
+def test_an_offloaded_prefix_is_loaded_back_and_gives_identical_tokens(disagg, reference):
     c = client(disagg)
-    prompt = _long_prompt("alpha")
+    prompt = long_prompt("alpha")
     first = c.completions.create(model="beam", prompt=prompt, max_tokens=8, temperature=0,
                                  extra_body=EXTRA)
     n_blocks = (first.usage.prompt_tokens - 1) // BLOCK
     assert 8 <= n_blocks <= 20
     # Other long prompts fill the prefill worker's 64 blocks and evict the prefix to the tiers.
     for i in range(7):
-        c.completions.create(model="beam", prompt=_long_prompt(f"fill{i}x"), max_tokens=1)
+        c.completions.create(model="beam", prompt=long_prompt(f"fill{i}x"), max_tokens=1)
     tiers = _status(disagg, "prefill")[0]["tiers"]
     assert tiers["offloaded"] >= n_blocks and tiers["spilled_to_disk"] > 0
     assert tiers["dropped"] == 0
@@ -82,9 +74,7 @@ def test_an_offloaded_prefix_is_loaded_back_and_gives_identical_tokens(disagg, d
     tiers = _status(disagg, "prefill")[0]["tiers"]
     assert tiers["host_hits"] + tiers["disk_hits"] - hits_before == n_blocks
     assert again.usage.prompt_tokens_details.cached_tokens == n_blocks * BLOCK
-    assert _tokens(again) == _tokens(first)
-    want = direct_engine.generate([prompt], SamplingParams(max_tokens=8))[0]["token_ids"]
-    assert _tokens(first) == want
+    assert _tokens(again) == _tokens(first) == expect(reference, prompt, 8)[0]
 
 
 def test_killing_a_decode_worker_under_load(disagg):
