@@ -70,7 +70,8 @@ def check_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
     check(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype, op,
           f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
           f"{v_cache.dtype} must match")
-    check(k_cache.stride() == v_cache.stride(), op, "k_cache and v_cache must have the same strides")
+    check(k_cache.stride() == v_cache.stride(), op,
+          "k_cache and v_cache must have the same strides")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         check_tensor(op, name, s, dtypes=(torch.float32,), device=device)
         check(s.numel() == 1, op, f"{name} must hold one value, got shape {tuple(s.shape)}")

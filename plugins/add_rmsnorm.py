@@ -74,7 +74,8 @@ def _check(h, y, w_post, w_pre) -> None:
     check(y.shape == h.shape, OP, f"y {tuple(y.shape)} must have h's shape {tuple(h.shape)}")
     for name, w in (("w_post", w_post), ("w_pre", w_pre)):
         check_tensor(OP, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=h.device)
-        check(w.shape[0] == h.shape[1], OP, f"{name} has {w.shape[0]} entries, rows have {h.shape[1]}")
+        check(w.shape[0] == h.shape[1], OP,
+              f"{name} has {w.shape[0]} entries, rows have {h.shape[1]}")
         check(w.stride(0) == 1, OP, f"{name} must be contiguous")
     check(h.stride(1) == 1 and y.stride(1) == 1, OP, "h and y rows must be contiguous")
 

@@ -3,12 +3,14 @@ over a paged (full layer) or ring (sliding layer) KV cache, with the output gate
 
 Sequence b owns query tokens cu_seqlens_q[b] : cu_seqlens_q[b+1] at positions
 p = q_start[b] + i. Its keys are positions j in [hist_start[b], p]:
-    j <  q_start[b]:  the cache, row  cache_index[b, (j // bs) % M],  j % bs   (bs = k_cache.shape[1])
+    j <  q_start[b]:  the cache, block cache_index[b, (j // bs) % M], row j % bs
+                      (bs = k_cache.shape[1])
     j >= q_start[b]:  this step's k_new / v_new, token cu_seqlens_q[b] + (j - q_start[b])
 Full layer: cache_index is the block table (paged). Sliding layer: one ring row per sequence
 (M = 1, bs = sliding_window), so position j sits in slot j % window.
 
-    score(p, j) = q_p · k_j / sqrt(D)     visible iff hist_start <= j <= p and (window == 0 or p - j < window)
+    score(p, j) = q_p · k_j / sqrt(D)
+    visible iff hist_start <= j <= p and (window == 0 or p - j < window)
     o_p,h = softmax_j(score) · V,   query head h reads KV head h // (Hq / Hkv)
     out[t, h·D:(h+1)·D] = o_t,h * gate[t, h]
 
@@ -32,6 +34,8 @@ import torch
 
 from beam_trtllm.reference import attention_mask
 
+from ._attention_decode import launch_decode
+from ._attention_prefill import launch_prefill
 from ._common import FLOAT_DTYPES, check, check_cache_pair, check_tensor, from_cache, is_fp8
 from .registry import dispatch, register
 
@@ -75,6 +79,16 @@ def ref_attention(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start
         o = attend(q[lo:hi], k_all, v_all, visible, gate[lo:hi])
         out[lo:hi] = o.to(q.dtype).flatten(1)
     return out
+
+
+@register(OP, "triton")
+def _launch_attention(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
+                      cache_index, window: int, k_scale, v_scale) -> torch.Tensor:
+    if q.shape[0] == cu_seqlens_q.shape[0] - 1:  # T == B: one query per sequence, decode
+        return launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start,
+                             cache_index, window, k_scale, v_scale)
+    return launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start,
+                          hist_start, cache_index, window, k_scale, v_scale)
 
 
 def _check(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,

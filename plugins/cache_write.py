@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2, to_cache
+from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2,
+                      to_cache)
 from .registry import dispatch, register
 
 OP = "cache_write"

@@ -86,7 +86,8 @@ def _rms_halves(x1, x2, w1, w2, eps, D: tl.constexpr, dtype: tl.constexpr):
     """Per-row RMSNorm of a head held as its two halves [rows, D/2]; rounded to dtype."""
     ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
     inv = (1.0 / tl.sqrt_rn(ms + eps))[:, None]
-    return cast_rne(x1 * inv * w1, dtype).to(tl.float32), cast_rne(x2 * inv * w2, dtype).to(tl.float32)
+    y1 = cast_rne(x1 * inv * w1, dtype).to(tl.float32)
+    return y1, cast_rne(x2 * inv * w2, dtype).to(tl.float32)
 
 
 @triton.jit
@@ -148,8 +149,10 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
     slot = tl.load(slot_ptr + t)
     kscale = tl.load(ks_ptr)
     heads = hk * stride_head
-    store_cache_rows(kc_ptr, slot, block_size, stride_blk, stride_row, heads, d, k1, kscale, mk)
-    store_cache_rows(kc_ptr, slot, block_size, stride_blk, stride_row, heads, d + D2, k2, kscale, mk)
+    store_cache_rows(kc_ptr, slot, block_size, stride_blk, stride_row, heads, d, k1, kscale,
+                     mk)
+    store_cache_rows(kc_ptr, slot, block_size, stride_blk, stride_row, heads, d + D2, k2,
+                     kscale, mk)
     store_cache_rows(vc_ptr, slot, block_size, stride_blk, stride_row, heads, dv,
                      v.to(tl.float32), tl.load(vs_ptr), mv)
 

@@ -67,5 +67,6 @@ def test_add_rmsnorm_kernel_matches_reference(t, h, sublayer, dtype):
     got_h, got_x = torch.ops.beam.add_rmsnorm(hs.to(dev), y.to(dev), w_post.to(dev),
                                               w_pre.to(dev), a, b, EPS)
     bf16 = dtype == torch.bfloat16
-    torch.testing.assert_close(got_h.cpu(), want_h, **tol("bf16-1ulp" if bf16 else "fp32-reorder", dtype))
-    torch.testing.assert_close(got_x.cpu(), want_x, **tol("bf16-2ulp" if bf16 else "fp32-reorder", dtype))
+    one, two = ("bf16-1ulp", "bf16-2ulp") if bf16 else ("fp32-reorder", "fp32-reorder")
+    torch.testing.assert_close(got_h.cpu(), want_h, **tol(one, dtype))
+    torch.testing.assert_close(got_x.cpu(), want_x, **tol(two, dtype))

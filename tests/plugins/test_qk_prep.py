@@ -29,7 +29,7 @@ def _caches(n_rows, bs, hkv, d, kv_dtype, device="cpu"):
 
 
 def _bits(x):
-    return x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
