@@ -41,11 +41,15 @@ def test_nvfp4_shared_scale_2_as_for_gate_and_up():
 
 
 def test_fp8_block_matches_modelopt_bytes():
+    # What export_hf_checkpoint does for fp8_pb_wo: the weight quantizer's FP32 block amax / 448
+    # is passed to FP8QTensor.quantize as `scales` (so the division runs in FP32). Calling it
+    # without scales computes a BF16 scale instead, which is not what the exporter writes
+    # (the whole export path is checked in tests/test_convert_encoders.py).
     w = _weight(200, 300, seed=4)
     q, scale = qf.quantize_fp8_block(w)
-    ref_q, ref_scale = fp8_tensor.FP8QTensor.quantize(w, block_sizes={-1: 128, -2: 128})
+    assert torch.equal(scale, qf.fp8_block_amax(w) / 448)
+    ref_q, _ = fp8_tensor.FP8QTensor.quantize(w, scale, block_sizes={-1: 128, -2: 128})
     assert torch.equal(q.view(torch.uint8), ref_q._quantized_data.view(torch.uint8))
-    assert torch.equal(scale, ref_scale.float())
     assert scale.shape == (2, 3) and scale.dtype == torch.float32
 
 
