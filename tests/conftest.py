@@ -13,6 +13,11 @@ TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
     # FP32 reference against itself computed another way (cache vs recompute, batched vs
     # single): only summation order differs, so a few ULPs of values of magnitude ~10.
     ("fp32-reorder", torch.float32): (1e-4, 1e-4),
+    # Engine (packed GEMMs, flattened ragged batch, beam:: ops) against the BF16 reference
+    # model, as log-probabilities: the same BF16 roundings in the same places, but GEMMs of
+    # other shapes may sum in another order, and one BF16 ulp of a logit of magnitude ~8 is
+    # 0.03. On the CPU the two agree bit for bit today; the margin is for that reordering.
+    ("engine-vs-reference", torch.bfloat16): (0.05, 0.0),
 }
 
 
