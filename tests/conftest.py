@@ -18,6 +18,9 @@ TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
     # other shapes may sum in another order, and one BF16 ulp of a logit of magnitude ~8 is
     # 0.03. On the CPU the two agree bit for bit today; the margin is for that reordering.
     ("engine-vs-reference", torch.bfloat16): (0.05, 0.0),
+    # Empirical token frequencies of 4000 seeded draws against the exact probabilities: the
+    # binomial standard deviation is at most 0.5 / sqrt(4000) = 0.008; 0.03 is ~4 sigma.
+    ("sampling-frequency", torch.float32): (0.03, 0.0),
 }
 
 
