@@ -28,8 +28,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps nixl==1.3.2
 	touch $@
 
+# Two pytest runs: the plain suite (Triton kernel tests deselected), then the kernel tests
+# (marker `kernel`) on the CPU in Triton's interpreter, which must be switched on before Triton
+# is imported, hence its own process. Either failing fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel tests/plugins $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	rm -rf $(DEMO)

@@ -1,0 +1,153 @@
+"""Split-KV ("flash-decoding") attention for a pure decode step (one query per sequence).
+
+At batch 1 a full layer has only Hkv = 8 (sequence, KV head) pairs: one program each would
+use 8 of the H200's 132 SMs. The cached keys of each pair are cut into NUM_SPLITS contiguous
+ranges, each program folds one range into a partial (max, sum, output) for the G query heads
+of its KV head (G rows of one tensor-core tile, so K/V are read once per group), and a second
+kernel merges the partials, applies the gate and writes the output. NUM_SPLITS comes from
+shapes only (batch, heads, the cache's addressable length), so the launch is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
+                               softmax_step)
+from ._common import cast_rne, is_fp8, next_pow2
+
+# Tile and pipeline choice for the split kernel; bench/kernels.py sweeps these on the H200.
+DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256)
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, hist_ptr, index_ptr,
+                         ks_ptr, vs_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
+                         stride_kn, stride_knh, stride_vn, stride_vnh, M, block_size, stride_blk,
+                         stride_row, stride_head, window, qk_scale,
+                         HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
+                         DOT_PREC: tl.constexpr):
+    b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dtype = q_ptr.dtype.element_ty
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gd_mask = (g[:, None] < G) & (d[None, :] < D)
+    q = tl.load(q_ptr + (b * HQ + h * G + g[:, None]).to(tl.int64) * D + d[None, :],
+                mask=gd_mask, other=0.0)
+    start = tl.load(q_start_ptr + b)
+    lo = tl.load(hist_ptr + b)
+    if window > 0:  # the query at `start` sees keys > start - window
+        lo = tl.maximum(lo, start - window + 1)
+    n_cached = tl.maximum(start - lo, 0)
+    per_split = tl.cdiv(tl.cdiv(n_cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * per_split
+    s_hi = tl.minimum(s_lo + per_split, start)
+    k_scale = qk_scale
+    if IS_FP8:
+        k_scale = qk_scale * tl.load(ks_ptr)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    index_row = index_ptr + b.to(tl.int64) * M
+    head_off = h * stride_head
+    for j0 in range(s_lo, s_hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j < s_hi
+        offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row)
+        k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype)
+        v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+    if IS_FP8:
+        acc = acc * tl.load(vs_ptr)
+    if split == NUM_SPLITS - 1:  # the step's own key (position `start`) comes from k_new
+        k1 = tl.load(kn_ptr + b.to(tl.int64) * stride_kn + h * stride_knh + d, mask=d < D,
+                     other=0.0)
+        v1 = tl.load(vn_ptr + b.to(tl.int64) * stride_vn + h * stride_vnh + d, mask=d < D,
+                     other=0.0)
+        s1 = tl.sum(q.to(tl.float32) * k1.to(tl.float32)[None, :], axis=1) * qk_scale
+        m_new = tl.maximum(m_i, s1)
+        alpha = tl.exp2(m_i - m_new)
+        p1 = tl.exp2(s1 - m_new)
+        l_i = l_i * alpha + p1
+        acc = acc * alpha[:, None] + p1[:, None] * v1.to(tl.float32)[None, :]
+        m_i = m_new
+    part = ((b * HKV + h) * NUM_SPLITS + split).to(tl.int64) * G
+    tl.store(part_o_ptr + (part + g[:, None]) * D + d[None, :], acc, mask=gd_mask)
+    tl.store(part_m_ptr + part + g, m_i, mask=g < G)
+    tl.store(part_l_ptr + part + g, l_i, mask=g < G)
+
+
+@triton.jit
+def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr,
+                           HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                           D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    s = tl.arange(0, BLOCK_S)
+    base = ((b * HKV + h) * NUM_SPLITS).to(tl.int64) * G
+    sg_mask = (s[:, None] < NUM_SPLITS) & (g[None, :] < G)
+    m = tl.load(part_m_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask,
+                other=float("-inf"))
+    l = tl.load(part_l_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask, other=0.0)
+    m_max = tl.max(m, axis=0)  # finite for real heads: the last split holds the step's own key
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padded head rows
+    weight = tl.exp2(m - m_max[None, :])  # [BLOCK_S, BLOCK_G], 0 for empty splits
+    total = tl.sum(weight * l, axis=0)
+    gd_mask = (g[:, None] < G) & (d[None, :] < D)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for i in range(NUM_SPLITS):
+        w_i = tl.sum(tl.where(s[:, None] == i, weight, 0.0), axis=0)
+        o_i = tl.load(part_o_ptr + (base + i * G + g[:, None]) * D + d[None, :], mask=gd_mask,
+                      other=0.0)
+        acc += w_i[:, None] * o_i
+    heads = h * G + g
+    gate = tl.load(gate_ptr + b * HQ + heads, mask=g < G, other=0.0)
+    o = acc / tl.where(total == 0.0, 1.0, total)[:, None] * gate[:, None]
+    tl.store(out_ptr + (b * HQ + heads[:, None]).to(tl.int64) * D + d[None, :],
+             cast_rne(o, out_ptr.dtype.element_ty), mask=gd_mask)
+
+
+def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device,
+               programs_per_sm: int, min_split: int) -> int:
+    """Enough programs to fill the GPU, but no split shorter than `min_split` keys of the
+    longest context the cache can address (`capacity`, a shape, not data)."""
+    sms = 4  # the interpreter: a few splits, so the CPU tests exercise the merge
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(programs_per_sm * sms, batch * hkv)
+    return max(1, min(want, triton.cdiv(capacity, max(min_split, block_n))))
+
+
+def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, cache_index,
+                  window, k_scale, v_scale, config=None):
+    cfg = dict(DECODE_CONFIG, **(config or {}))
+    b, hq, d = q.shape
+    hkv, block_size, m = k_new.shape[1], k_cache.shape[1], cache_index.shape[1]
+    g = hq // hkv
+    splits = cfg.get("splits") or num_splits(b, hkv, m * block_size, cfg["BLOCK_N"], q.device,
+                                             cfg["programs_per_sm"], cfg["min_split"])
+    part_o = q.new_empty(b, hkv, splits, g, d, dtype=torch.float32)
+    part_m = q.new_empty(b, hkv, splits, g, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    block_g, block_d = max(16, next_pow2(g)), max(16, next_pow2(d))
+    _decode_split_kernel[(b, hkv, splits)](
+        q, k_new, v_new, k_cache, v_cache, q_start, hist_start, cache_index, k_scale, v_scale,
+        part_o, part_m, part_l, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        m, block_size,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window, LOG2E / d**0.5,
+        HQ=hq, HKV=hkv, G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"],
+        NUM_SPLITS=splits, IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    out = q.new_empty(b, hq * d)
+    _decode_combine_kernel[(b, hkv)](
+        part_o, part_m, part_l, gate, out, HQ=hq, HKV=hkv, G=g, D=d, BLOCK_G=next_pow2(g),
+        BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), num_warps=4)
+    return out

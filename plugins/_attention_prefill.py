@@ -1,0 +1,131 @@
+"""Tiled flash attention for chunked prefill and mixed steps (ragged batch, any query count).
+
+One program takes BLOCK_Q query tokens of one sequence and all G query heads of one KV head:
+the tile's BLOCK_M = BLOCK_Q·G rows share every K/V tile, so a decode sequence in a mixed
+batch still reads its cache once per KV-head group. Keys come in two loops: the cached ones
+(paged block table or ring, FP8 dequantised by one scale per tile) and then the chunk's own
+keys from k_new / v_new. The grid, T // BLOCK_Q + B query tiles by Hkv, depends on shapes
+only: tile i belongs to the last sequence b with cu_seqlens_q[b] // BLOCK_Q + b <= i (found by
+binary search), which leaves at least ceil(n_b / BLOCK_Q) tiles for every sequence b.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
+                               softmax_step)
+from ._common import cast_rne, is_fp8, next_pow2
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU; the interpreter gets small tiles so
+# that the CPU tests spend their time on the shapes that matter, not on padding.
+PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def _find_sequence(cu_ptr, tile, B, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Largest b < B with cu[b] // BLOCK_Q + b <= tile."""
+    lo = tile * 0
+    hi = B - 1 + lo
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(cu_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, kc_ptr, vc_ptr, cu_ptr,
+                    q_start_ptr, hist_ptr, index_ptr, ks_ptr, vs_ptr, B,
+                    stride_kn, stride_knh, stride_vn, stride_vnh, M, block_size, stride_blk,
+                    stride_row, stride_head, window, qk_scale,
+                    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SEARCH_STEPS: tl.constexpr, IS_FP8: tl.constexpr, DOT_PREC: tl.constexpr):
+    tile, h = tl.program_id(0), tl.program_id(1)
+    b = _find_sequence(cu_ptr, tile, B, BLOCK_Q, SEARCH_STEPS)
+    seq_lo = tl.load(cu_ptr + b)
+    n = tl.load(cu_ptr + b + 1) - seq_lo
+    t0 = (tile - (seq_lo // BLOCK_Q + b)) * BLOCK_Q
+    if t0 < n:
+        dtype = q_ptr.dtype.element_ty
+        r = tl.arange(0, BLOCK_M)
+        tok = t0 + r // G  # row r = (token t0 + r // G, query head h * G + r % G)
+        head = h * G + r % G
+        row_ok = (r < BLOCK_Q * G) & (tok < n)
+        d = tl.arange(0, BLOCK_D)
+        q_rows = (seq_lo + tok).to(tl.int64) * HQ + head
+        q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :],
+                    mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        start = tl.load(q_start_ptr + b)
+        pos = start + tok  # query positions [BLOCK_M]
+        p_first = start + t0
+        p_last = start + tl.minimum(t0 + BLOCK_Q, n) - 1
+        lo = tl.load(hist_ptr + b)
+        if window > 0:
+            lo = tl.maximum(lo, p_first - window + 1)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        k_scale = qk_scale
+        if IS_FP8:
+            k_scale = qk_scale * tl.load(ks_ptr)
+        index_row = index_ptr + b.to(tl.int64) * M
+        head_off = h * stride_head
+        for j0 in range(lo, start, BLOCK_N):  # cached keys: every query here is past them
+            j = j0 + tl.arange(0, BLOCK_N)
+            valid = j < start
+            offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row)
+            k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype)
+            v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
+            visible = valid[None, :] & ((window == 0) | (pos[:, None] - j[None, :] < window))
+            scores = tl.where(visible, scores, float("-inf"))
+            m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+        if IS_FP8:
+            acc = acc * tl.load(vs_ptr)
+        for j0 in range(tl.maximum(lo, start), p_last + 1, BLOCK_N):  # this chunk's own keys
+            j = j0 + tl.arange(0, BLOCK_N)
+            valid = j <= p_last
+            rows = (seq_lo + j - start).to(tl.int64)
+            kv_mask = valid[:, None] & (d[None, :] < D)
+            k = tl.load(kn_ptr + rows[:, None] * stride_kn + h * stride_knh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(vn_ptr + rows[:, None] * stride_vn + h * stride_vnh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            diff = pos[:, None] - j[None, :]
+            visible = valid[None, :] & (diff >= 0) & ((window == 0) | (diff < window))
+            scores = tl.where(visible, scores, float("-inf"))
+            m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+        gate = tl.load(gate_ptr + (seq_lo + tok).to(tl.int64) * HQ + head, mask=row_ok, other=0.0)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * gate[:, None]
+        tl.store(out_ptr + q_rows[:, None] * D + d[None, :], cast_rne(o, out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (d[None, :] < D))
+
+
+def launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
+                   cache_index, window, k_scale, v_scale, config=None):
+    from .registry import triton_interpreted
+
+    cfg = dict(INTERPRETER_CONFIG if triton_interpreted() else PREFILL_CONFIG, **(config or {}))
+    t, hq, d = q.shape
+    hkv, b = k_new.shape[1], cu_seqlens_q.shape[0] - 1
+    g = hq // hkv
+    block_m = max(cfg["BLOCK_M"], next_pow2(g))
+    block_q = block_m // g
+    out = q.new_empty(t, hq * d)
+    grid = (t // block_q + b, hkv)
+    _prefill_kernel[grid](
+        q, k_new, v_new, gate, out, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
+        cache_index, k_scale, v_scale, b, k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1), cache_index.shape[1], k_cache.shape[1], k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), window, LOG2E / d**0.5,
+        HQ=hq, G=g, D=d, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_N=cfg["BLOCK_N"], SEARCH_STEPS=max(1, (b - 1).bit_length()),
+        IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

@@ -1,0 +1,35 @@
+"""Input checks shared by the moe_* and linear_* ops: one clear PluginError naming the op and
+the tensor."""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import PluginError
+
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _expect(cond: bool, op: str, msg: str) -> None:
+    if not cond:
+        raise PluginError(f"beam::{op}: {msg}")
+
+
+def check_tensor(op: str, name: str, t: torch.Tensor, shape: tuple, dtypes: tuple) -> None:
+    """`shape` entries of None match any size."""
+    _expect(isinstance(t, torch.Tensor), op, f"{name} must be a tensor")
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    _expect(ok, op, f"{name} has shape {list(t.shape)}, expected {want}")
+    names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+    _expect(t.dtype in dtypes, op, f"{name} has dtype {t.dtype}, expected one of {names}")
+
+
+def check_linear_x(op: str, x: torch.Tensor, k: int) -> None:
+    check_tensor(op, "x", x, (None,) * max(x.dim(), 1), ACT_DTYPES)
+    _expect(x.dim() >= 1 and x.shape[-1] == k, op, f"x has shape {list(x.shape)}, expected [..., {k}]")
+
+
+def check_device(op: str, x: torch.Tensor, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        _expect(t.device == x.device, op, f"{name} is on {t.device}, x on {x.device}")

@@ -1,0 +1,137 @@
+"""Small helpers shared by the attention-side op files: input checks that name the op and the
+tensor, the KV-cache quantization rule, and Triton helpers that round exactly like torch.
+
+Why the rounding helpers exist: Triton's interpreter (how the kernels are tested on the CPU)
+truncates FP32 -> BF16 instead of rounding to nearest-even, and its FP32 -> FP8 rounding drops
+the carry into the exponent (31.3 becomes 16, not 32). The helpers below round in FP32 bit
+arithmetic to a value that the target format holds exactly, so the final cast has nothing left
+to round: interpreter and GPU then store the same bits as torch's `.to(dtype)`. On the GPU they
+cost a few integer instructions per element in kernels that are memory-bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .registry import PluginError, triton_interpreted
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+# ----------------------------------------------------------------------------- python side
+def check(cond: bool, op: str, message: str) -> None:
+    """Raise the op's one clear error (names the op; the message names the input)."""
+    if not cond:
+        raise PluginError(f"beam::{op}: {message}")
+
+
+def check_tensor(op: str, name: str, t: torch.Tensor, ndim: int | None = None,
+                 dtypes: tuple[torch.dtype, ...] | None = None, device: torch.device | None = None):
+    if ndim is not None:
+        check(t.dim() == ndim, op, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        check(t.dtype in dtypes, op, f"{name} must be one of ({names}), got {t.dtype}")
+    if device is not None:
+        check(t.device == device, op, f"{name} is on {t.device}, expected {device}")
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CACHE_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8_DTYPE
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """The KV-cache store rule: FP8 caches hold clamp(x / scale, ±448) (saturating, so an
+    outlier beyond the calibrated range cannot become NaN); other caches hold x as is."""
+    if is_fp8(cache_dtype):
+        return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def from_cache(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP32 values of cache entries (FP8 entries times their per-layer scale)."""
+    if is_fp8(x.dtype):
+        return x.float() * scale.float()
+    return x.float()
+
+
+def check_cache_pair(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     k_scale: torch.Tensor, v_scale: torch.Tensor, device: torch.device) -> None:
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(op, name, c, ndim=4, dtypes=CACHE_DTYPES, device=device)
+        check(c.stride(-1) == 1, op, f"{name} must be contiguous in its last (head_dim) dim")
+    check(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype, op,
+          f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
+          f"{v_cache.dtype} must match")
+    check(k_cache.stride() == v_cache.stride(), op,
+          "k_cache and v_cache must have the same strides")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        check_tensor(op, name, s, dtypes=(torch.float32,), device=device)
+        check(s.numel() == 1, op, f"{name} must hold one value, got shape {tuple(s.shape)}")
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds scalar kernel arguments as 1-element arrays and turns
+    them into loop bounds with `int(array)`, which NumPy >= 2.3 refuses for 1-d arrays, so
+    every `for i in range(0, n)` over a runtime `n` fails in the interpreter. Index through
+    the single element instead (interpreter only; compiled kernels are untouched)."""
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_beam_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._beam_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton_interpreted():
+    _fix_interpreter_scalar_index()
+
+
+# ----------------------------------------------------------------------------- triton side
+@triton.jit
+def bf16_grid(x):
+    """FP32 x rounded to nearest-even BF16, returned as an FP32 value that BF16 holds exactly."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_grid(x):
+    """FP32 x saturated to ±448 and rounded to nearest-even float8_e4m3fn, as an exact FP32."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+    ulp_exp = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; below 2^-6 the spacing is 2^-9
+    # Adding then subtracting 1.5 * 2^(ulp_exp + 23) rounds to a multiple of 2^ulp_exp (RTNE).
+    magic = (((ulp_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (x + magic) - magic
+    sign = bits & 0x80000000  # keep -0.0 for tiny negatives, as torch does
+    return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr):
+    """x (FP32) -> dtype with round-to-nearest-even, bit-identical to torch on GPU and CPU."""
+    if dtype == tl.bfloat16:
+        x = bf16_grid(x)
+    elif dtype == tl.float8e4nv:
+        x = e4m3_grid(x)
+    return x.to(dtype)

@@ -1,0 +1,93 @@
+"""beam::add_rmsnorm — one sublayer boundary in one pass: post-norm, depth-scaled residual add,
+next pre-norm.
+
+    y_n = RMSNorm(y; w_post)                       rounded to y's dtype (as the reference does)
+    h'  = a * h + b * y_n                          FP32 math, rounded to h's dtype
+    x   = RMSNorm(h'; w_pre)                       of the rounded h', cast to h's dtype
+
+Shapes / dtypes: h [T, H], y [T, H] (fp32, bf16 or fp16, the same dtype), w_post [H],
+w_pre [H]; a, b, eps python floats -> (h' [T, H], x [T, H]) in h's dtype.
+Contract: functional, returns two new tensors (no out=; h is not updated in place).
+Matches `reference.residual_add(h, rms_norm(y, w_post), a, b)` followed by
+`rms_norm(h', w_pre)`; for the last layer w_pre is `model.norm.weight`. CUDA-graph safe.
+Bytes moved: 4·T·H·sizeof(dtype) (read h, y; write h', x).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from beam_trtllm.reference import residual_add, rms_norm
+
+from ._common import FLOAT_DTYPES, cast_rne, check, check_tensor
+from .registry import dispatch, register
+from .rmsnorm import row_launch_params
+
+OP = "add_rmsnorm"
+
+
+@register(OP, "reference")
+def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
+    h_new = residual_add(h, rms_norm(y, w_post, eps), a, b)
+    return h_new, rms_norm(h_new, w_pre, eps)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr,
+                        stride_h, stride_y, stride_ho, stride_x, H, a, b, eps,
+                        BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    w_post = tl.load(wpost_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w_pre = tl.load(wpre_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = hout_ptr.dtype.element_ty
+    inv_rms_y = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / H + eps)
+    y_n = cast_rne(y * inv_rms_y * w_post, y_ptr.dtype.element_ty).to(tl.float32)
+    h_new = cast_rne(a * h + b * y_n, dtype)
+    tl.store(hout_ptr + row * stride_ho + cols, h_new, mask=mask)
+    h_new = h_new.to(tl.float32)  # the next norm reads the rounded stream, as the model does
+    inv_rms_h = 1.0 / tl.sqrt_rn(tl.sum(h_new * h_new, axis=0) / H + eps)
+    tl.store(x_ptr + row * stride_x + cols, cast_rne(h_new * inv_rms_h * w_pre, dtype), mask=mask)
+
+
+@register(OP, "triton")
+def _launch_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
+    t, hidden = h.shape
+    h_new, x = torch.empty_like(h), torch.empty_like(h)
+    if t == 0:
+        return h_new, x
+    block, warps = row_launch_params(hidden)
+    _add_rmsnorm_kernel[(t,)](h, y, w_post, w_pre, h_new, x, h.stride(0), y.stride(0),
+                              h_new.stride(0), x.stride(0), hidden, a, b, eps,
+                              BLOCK_H=block, num_warps=warps)
+    return h_new, x
+
+
+def _check(h, y, w_post, w_pre) -> None:
+    check_tensor(OP, "h", h, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(OP, "y", y, ndim=2, dtypes=(h.dtype,), device=h.device)
+    check(y.shape == h.shape, OP, f"y {tuple(y.shape)} must have h's shape {tuple(h.shape)}")
+    for name, w in (("w_post", w_post), ("w_pre", w_pre)):
+        check_tensor(OP, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=h.device)
+        check(w.shape[0] == h.shape[1], OP,
+              f"{name} has {w.shape[0]} entries, rows have {h.shape[1]}")
+        check(w.stride(0) == 1, OP, f"{name} must be contiguous")
+    check(h.stride(1) == 1 and y.stride(1) == 1, OP, "h and y rows must be contiguous")
+
+
+@torch.library.custom_op("beam::add_rmsnorm", mutates_args=())
+def add_rmsnorm(h: torch.Tensor, y: torch.Tensor, w_post: torch.Tensor, w_pre: torch.Tensor,
+                a: float, b: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(h, y, w_post, w_pre)
+    return dispatch(OP, h.device, h, y, w_post, w_pre, a, b, eps)
+
+
+@add_rmsnorm.register_fake
+def _(h, y, w_post, w_pre, a, b, eps):
+    _check(h, y, w_post, w_pre)
+    return torch.empty_like(h), torch.empty_like(h)

@@ -1,0 +1,162 @@
+"""beam::group_router — DeepSeek-V3 group-limited routing, entirely in FP32.
+
+    s  = sigmoid(x · Wᵀ)                         x upcast to FP32, W FP32          [T, E]
+    sb = s + bias                                 selection only
+    group_score[g] = sum of the 2 largest sb of group g (n_group contiguous groups)
+    keep the topk_group groups with the largest group_score
+    ids = the k experts with the largest sb among the kept groups, ordered by sb descending
+    w   = s[ids];  w = w / sum(w) if renormalize;  w = w * routed_scaling_factor
+
+Shapes / dtypes: x [T, H] (fp32, bf16, fp16), weight [E, H] fp32, bias [E] fp32; n_group,
+topk_group, k ints; routed_scaling_factor float; renormalize bool
+-> (topk_ids [T, k] int32, topk_weights [T, k] fp32).
+Contract: functional, returns two new tensors. Equal scores break toward the lower expert id.
+Matches `reference.route` (which returns int64 ids). CUDA-graph safe: two launches (an FP32
+GEMV/GEMM for the logits, then one program per token for the selection).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+from beam_trtllm.reference import route
+
+from ._common import FLOAT_DTYPES, check, check_tensor, next_pow2
+from .registry import dispatch, register
+
+OP = "group_router"
+
+
+@register(OP, "reference")
+def ref_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
+                     routed_scaling_factor: float, renormalize: bool):
+    e = weight.shape[0]
+    cfg = SimpleNamespace(n_group=n_group, experts_per_group=e // n_group, topk_group=topk_group,
+                          num_experts_per_tok=k, norm_topk_prob=renormalize,
+                          routed_scaling_factor=routed_scaling_factor)
+    ids, weights = route(x, weight, bias, cfg)
+    return ids.to(torch.int32), weights
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, BLOCK_T: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr):
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hh = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + hh[None, :],
+                    mask=(t[:, None] < T) & (hh[None, :] < H), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * H + hh[None, :],
+                    mask=(e[:, None] < E) & (hh[None, :] < H), other=0.0)
+        if USE_DOT:  # many tokens: FP32 (not TF32) matrix product
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:  # a few tokens: a GEMV, bound by reading W once
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    tl.store(out_ptr + t[:, None].to(tl.int64) * E + e[None, :], acc,
+             mask=(t[:, None] < T) & (e[None, :] < E))
+
+
+@triton.jit
+def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale,
+                          E: tl.constexpr, NG: tl.constexpr, EPG: tl.constexpr,
+                          TOPK_GROUP: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
+                          NG_P2: tl.constexpr, EPG_P2: tl.constexpr, K_P2: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, NG_P2)
+    j = tl.arange(0, EPG_P2)[None, :]
+    valid = (g[:, None] < NG) & (j < EPG)
+    expert = g[:, None] * EPG + j  # [NG_P2, EPG_P2], group-major like the reference's view
+    logit = tl.load(logits_ptr + t * E + expert, mask=valid, other=0.0)
+    s = 1.0 / (1.0 + tl.exp(-logit))
+    sb = tl.where(valid, s + tl.load(bias_ptr + expert, mask=valid, other=0.0), float("-inf"))
+    # group score: the two best biased scores of each group
+    best = tl.max(sb, axis=1)
+    first = tl.min(tl.where(sb == best[:, None], j, EPG_P2), axis=1)
+    second = tl.max(tl.where(j == first[:, None], float("-inf"), sb), axis=1)
+    group_score = tl.where(g < NG, best + second, float("-inf"))
+    kept = g < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        top = tl.max(tl.where(kept, float("-inf"), group_score), axis=0)
+        pick = tl.min(tl.where((group_score == top) & ~kept & (g < NG), g, NG_P2), axis=0)
+        kept = kept | (g == pick)
+    candidates = tl.where(kept[:, None] & valid, sb, float("-inf"))
+    slots = tl.arange(0, K_P2)
+    chosen_w = tl.zeros([K_P2], dtype=tl.float32)
+    for i in tl.static_range(K):
+        top = tl.max(tl.max(candidates, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(candidates == top, expert, E), axis=1), axis=0)
+        hit = (expert == pick) & valid  # padded lanes alias real ids
+        chosen_w = tl.where(slots == i, tl.sum(tl.sum(tl.where(hit, s, 0.0), axis=1), axis=0),
+                            chosen_w)
+        tl.store(ids_ptr + t * K + i, pick.to(tl.int32))
+        candidates = tl.where(hit, float("-inf"), candidates)
+    if RENORM:
+        chosen_w = tl.math.div_rn(chosen_w, tl.sum(chosen_w, axis=0))
+    tl.store(weights_ptr + t * K + slots, chosen_w * scale, mask=slots < K)
+
+
+def logits_launch_params(t: int) -> dict:
+    """Block shape of the logits kernel: a GEMV split over experts for a few tokens
+    (batch-1 decode reads 5 MB of FP32 weight: spread it over many SMs), tiles otherwise."""
+    if t <= 4:
+        return dict(BLOCK_T=next_pow2(t), BLOCK_E=2, BLOCK_H=2048, USE_DOT=False, num_warps=4)
+    return dict(BLOCK_T=32, BLOCK_E=64, BLOCK_H=32, USE_DOT=True, num_warps=4)
+
+
+@register(OP, "triton")
+def _launch_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
+                         routed_scaling_factor: float, renormalize: bool):
+    t, h = x.shape
+    e = weight.shape[0]
+    ids = x.new_empty(t, k, dtype=torch.int32)
+    weights = x.new_empty(t, k, dtype=torch.float32)
+    if t == 0:
+        return ids, weights
+    logits = x.new_empty(t, e, dtype=torch.float32)
+    p = logits_launch_params(t)
+    grid = (triton.cdiv(e, p["BLOCK_E"]), triton.cdiv(t, p["BLOCK_T"]))
+    _router_logits_kernel[grid](x, weight, logits, t, e, h, x.stride(0), **p)
+    epg = e // n_group
+    _router_select_kernel[(t,)](
+        logits, bias, ids, weights, routed_scaling_factor, E=e, NG=n_group, EPG=epg,
+        TOPK_GROUP=topk_group, K=k, RENORM=renormalize, NG_P2=next_pow2(n_group),
+        EPG_P2=next_pow2(epg), K_P2=next_pow2(k), num_warps=1 if e <= 256 else 4)
+    return ids, weights
+
+
+def _check(x, weight, bias, n_group: int, topk_group: int, k: int) -> None:
+    check_tensor(OP, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(OP, "weight", weight, ndim=2, dtypes=(torch.float32,), device=x.device)
+    check_tensor(OP, "bias", bias, ndim=1, dtypes=(torch.float32,), device=x.device)
+    e, h = weight.shape
+    check(h == x.shape[1], OP, f"weight is [{e}, {h}] but x rows have {x.shape[1]} channels")
+    check(bias.shape[0] == e, OP, f"bias has {bias.shape[0]} entries for {e} experts")
+    check(x.stride(1) == 1 and weight.is_contiguous() and bias.is_contiguous(), OP,
+          "x rows, weight and bias must be contiguous")
+    check(n_group > 0 and e % n_group == 0 and e // n_group >= 2, OP,
+          f"n_group={n_group} must divide the {e} experts into groups of at least 2")
+    check(0 < topk_group <= n_group, OP, f"topk_group={topk_group} must be in [1, {n_group}]")
+    check(0 < k <= topk_group * (e // n_group), OP,
+          f"k={k} must be in [1, topk_group * experts_per_group = {topk_group * (e // n_group)}]")
+
+
+@torch.library.custom_op("beam::group_router", mutates_args=())
+def group_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int,
+                 topk_group: int, k: int, routed_scaling_factor: float,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, weight, bias, n_group, topk_group, k)
+    return dispatch(OP, x.device, x, weight, bias, n_group, topk_group, k,
+                    routed_scaling_factor, renormalize)
+
+
+@group_router.register_fake
+def _(x, weight, bias, n_group, topk_group, k, routed_scaling_factor, renormalize):
+    _check(x, weight, bias, n_group, topk_group, k)
+    t = x.shape[0]
+    return x.new_empty(t, k, dtype=torch.int32), x.new_empty(t, k, dtype=torch.float32)

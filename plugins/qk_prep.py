@@ -1,0 +1,220 @@
+"""beam::qk_prep — everything between the packed QKV+gate projection and the attention.
+
+From one row of the packed projection `qkvg[t] = [q (Hq·D) | k (Hkv·D) | v (Hkv·D) | g (Hq)]`
+of the token at position p:
+
+    q_h = RMSNorm(q_h; q_norm_w),  k_h = RMSNorm(k_h; k_norm_w)       per head, rounded to dtype
+    full layer (NoPE):   q_h = q_h * (1 + p / ssmax_base) ** ssmax_exponent
+    sliding layer:       q_h, k_h = RoPE(q_h, p), RoPE(k_h, p)        rotate-half, rope_theta
+    gate = sigmoid(g) in FP32
+    k_cache / v_cache row at slot_mapping[t] = store(k), store(v)     (as beam::cache_write)
+
+Shapes / dtypes: qkvg [T, Hq·D + 2·Hkv·D + Hq] (fp32, bf16, fp16), positions [T] int32/int64,
+q_norm_weight, k_norm_weight [D], k_cache, v_cache [N, bs, Hkv, D] (see cache_write),
+slot_mapping [T] int64 (-1 = do not write), k_scale, v_scale fp32 [] (FP8 caches only)
+-> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] in qkvg's dtype, gate [T, Hq] fp32.
+Hkv and D come from the cache and the norm weight; Hq from qkvg's width.
+Contract: returns four new tensors and mutates k_cache / v_cache (only the slots >= 0).
+Matches `reference.BeamAttention.project` (rms_norm, apply_rope, ssmax_scale). RoPE angles and
+the SSMax scale are computed in float64 like the reference, so they stay exact at 1M
+positions. CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from beam_trtllm.reference import apply_rope, rms_norm, ssmax_scale
+
+from ._common import FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2
+from .cache_write import check_slots, ref_cache_write, store_cache_rows
+from .registry import dispatch, register
+
+OP = "qk_prep"
+
+
+def split_qkvg(qkvg: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(Hq, width) of a packed projection; raises if the width is not Hq·D + 2·Hkv·D + Hq."""
+    width = qkvg.shape[-1]
+    rest = width - 2 * num_kv_heads * head_dim
+    hq = rest // (head_dim + 1)
+    check(rest > 0 and rest % (head_dim + 1) == 0 and hq % num_kv_heads == 0, OP,
+          f"qkvg width {width} is not Hq*D + 2*Hkv*D + Hq for D={head_dim}, Hkv={num_kv_heads} "
+          "and Hq a multiple of Hkv")
+    return hq, width
+
+
+@register(OP, "reference")
+def ref_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
+                k_scale, v_scale, is_full: bool, eps: float, rope_theta: float,
+                ssmax_base: float, ssmax_exponent: float):
+    t, (hkv, d) = qkvg.shape[0], k_cache.shape[2:]
+    hq, _ = split_qkvg(qkvg, hkv, d)
+    q, k, v, g = qkvg.split([hq * d, hkv * d, hkv * d, hq], dim=1)
+    q = rms_norm(q.reshape(t, hq, d), q_norm_weight, eps)
+    k = rms_norm(k.reshape(t, hkv, d), k_norm_weight, eps)
+    v = v.reshape(t, hkv, d).clone(memory_format=torch.contiguous_format)
+    gate = torch.sigmoid(g.float())
+    if is_full:  # NoPE + SSMax on the queries only
+        scale = ssmax_scale(positions, ssmax_base, ssmax_exponent)
+        q = (q.float() * scale[:, None, None]).to(q.dtype)
+    else:  # apply_rope takes [B, T, heads, D] and positions [B, T]
+        q = apply_rope(q[None], positions[None], rope_theta)[0]
+        k = apply_rope(k[None], positions[None], rope_theta)[0]
+    ref_cache_write(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q, k, v, gate
+
+
+def f64_pair(x: float) -> tuple[float, float]:
+    """x as hi + lo, both exact in FP32: kernel float arguments are FP32, the math is FP64."""
+    hi = float(np.float32(x))
+    return hi, float(np.float32(x - hi))
+
+
+@triton.jit
+def _f64(pair_hi, pair_lo):
+    return tl.cast(pair_hi, tl.float64) + tl.cast(pair_lo, tl.float64)
+
+
+@triton.jit
+def _rms_halves(x1, x2, w1, w2, eps, D: tl.constexpr, dtype: tl.constexpr):
+    """Per-row RMSNorm of a head held as its two halves [rows, D/2]; rounded to dtype."""
+    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
+    inv = (1.0 / tl.sqrt_rn(ms + eps))[:, None]
+    y1 = cast_rne(x1 * inv * w1, dtype).to(tl.float32)
+    return y1, cast_rne(x2 * inv * w2, dtype).to(tl.float32)
+
+
+@triton.jit
+def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+                    q_ptr, k_ptr, v_ptr, g_ptr, stride_t, block_size, stride_blk, stride_row,
+                    stride_head, eps, ln_theta_hi, ln_theta_lo, inv_base_hi, inv_base_lo,
+                    exp_hi, exp_lo, IS_FULL: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                    D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                    BLOCK_D2: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    D2: tl.constexpr = D // 2
+    dtype = q_ptr.dtype.element_ty
+    row = qkvg_ptr + t * stride_t
+    d = tl.arange(0, BLOCK_D2)[None, :]
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    hk = tl.arange(0, BLOCK_HKV)[:, None]
+    mq = (hq < HQ) & (d < D2)
+    mk = (hk < HKV) & (d < D2)
+    q1 = tl.load(row + hq * D + d, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(row + hq * D + D2 + d, mask=mq, other=0.0).to(tl.float32)
+    k1 = tl.load(row + HQ * D + hk * D + d, mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(row + HQ * D + hk * D + D2 + d, mask=mk, other=0.0).to(tl.float32)
+    qw1 = tl.load(qw_ptr + d, mask=d < D2, other=0.0).to(tl.float32)
+    qw2 = tl.load(qw_ptr + D2 + d, mask=d < D2, other=0.0).to(tl.float32)
+    kw1 = tl.load(kw_ptr + d, mask=d < D2, other=0.0).to(tl.float32)
+    kw2 = tl.load(kw_ptr + D2 + d, mask=d < D2, other=0.0).to(tl.float32)
+    q1, q2 = _rms_halves(q1, q2, qw1, qw2, eps, D, dtype)
+    k1, k2 = _rms_halves(k1, k2, kw1, kw2, eps, D, dtype)
+    pos = tl.load(pos_ptr + t).to(tl.float64)
+    if IS_FULL:
+        ratio = pos * _f64(inv_base_hi, inv_base_lo)
+        scale = tl.exp(_f64(exp_hi, exp_lo) * tl.log(1.0 + ratio)).to(tl.float32)
+        q1, q2 = q1 * scale, q2 * scale
+    else:
+        # inv_freq_i = theta^(-2i/D); angles in FP64 as the reference computes them
+        inv_freq = tl.exp(-(2.0 * d.to(tl.float64) / D) * _f64(ln_theta_hi, ln_theta_lo))
+        angle = pos * inv_freq
+        cos = tl.cos(angle).to(tl.float32)
+        sin = tl.sin(angle).to(tl.float32)
+        q1, q2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
+        k1, k2 = k1 * cos - k2 * sin, k2 * cos + k1 * sin
+        k1 = cast_rne(k1, dtype).to(tl.float32)
+        k2 = cast_rne(k2, dtype).to(tl.float32)
+    out_q = q_ptr + t * HQ * D + hq * D + d
+    tl.store(out_q, cast_rne(q1, dtype), mask=mq)
+    tl.store(out_q + D2, cast_rne(q2, dtype), mask=mq)
+    out_k = k_ptr + t * HKV * D + hk * D + d
+    tl.store(out_k, k1.to(dtype), mask=mk)  # k1, k2 already hold dtype values
+    tl.store(out_k + D2, k2.to(dtype), mask=mk)
+    # v: copied through; gate: FP32 sigmoid of the logits
+    dv = tl.arange(0, 2 * BLOCK_D2)[None, :]
+    mv = (hk < HKV) & (dv < D)
+    v = tl.load(row + HQ * D + HKV * D + hk * D + dv, mask=mv, other=0.0)
+    tl.store(v_ptr + t * HKV * D + hk * D + dv, v, mask=mv)
+    hg = tl.arange(0, BLOCK_HQ)
+    g = tl.load(row + HQ * D + 2 * HKV * D + hg, mask=hg < HQ, other=0.0).to(tl.float32)
+    tl.store(g_ptr + t * HQ + hg, 1.0 / (1.0 + tl.exp(-g)), mask=hg < HQ)
+    # cache rows: the rounded k as returned, v as is
+    slot = tl.load(slot_ptr + t)
+    kscale = tl.load(ks_ptr)
+    heads = hk * stride_head
+    store_cache_rows(kc_ptr, slot, block_size, stride_blk, stride_row, heads, d, k1, kscale,
+                     mk)
+    store_cache_rows(kc_ptr, slot, block_size, stride_blk, stride_row, heads, d + D2, k2,
+                     kscale, mk)
+    store_cache_rows(vc_ptr, slot, block_size, stride_blk, stride_row, heads, dv,
+                     v.to(tl.float32), tl.load(vs_ptr), mv)
+
+
+@register(OP, "triton")
+def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
+                    k_scale, v_scale, is_full: bool, eps: float, rope_theta: float,
+                    ssmax_base: float, ssmax_exponent: float):
+    t, (hkv, d) = qkvg.shape[0], k_cache.shape[2:]
+    hq, _ = split_qkvg(qkvg, hkv, d)
+    q = qkvg.new_empty(t, hq, d)
+    k, v = qkvg.new_empty(t, hkv, d), qkvg.new_empty(t, hkv, d)
+    gate = qkvg.new_empty(t, hq, dtype=torch.float32)
+    if t == 0:
+        return q, k, v, gate
+    _qk_prep_kernel[(t,)](
+        qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping, k_scale,
+        v_scale, q, k, v, gate, qkvg.stride(0), k_cache.shape[1], k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), eps, *f64_pair(math.log(rope_theta)),
+        *f64_pair(1.0 / ssmax_base), *f64_pair(ssmax_exponent), IS_FULL=is_full, HQ=hq,
+        HKV=hkv, D=d, BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv),
+        BLOCK_D2=next_pow2(d // 2), num_warps=4)
+    return q, k, v, gate
+
+
+def _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
+           k_scale, v_scale) -> int:
+    check_tensor(OP, "qkvg", qkvg, ndim=2, dtypes=FLOAT_DTYPES)
+    check(qkvg.stride(1) == 1, OP, "qkvg rows must be contiguous")
+    dev, t = qkvg.device, qkvg.shape[0]
+    check_tensor(OP, "positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
+    check(positions.shape[0] == t, OP, f"positions has {positions.shape[0]} entries for {t} tokens")
+    check_tensor(OP, "k_cache", k_cache, ndim=4)
+    hkv, d = k_cache.shape[2:]
+    check(d % 2 == 0, OP, f"head_dim {d} must be even (rotate-half RoPE)")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        check_tensor(OP, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+        check(w.shape[0] == d and w.stride(0) == 1, OP, f"{name} must be contiguous [{d}]")
+    hq, _ = split_qkvg(qkvg, hkv, d)
+    check_cache_pair(OP, k_cache, v_cache, k_scale, v_scale, dev)
+    check_slots(OP, slot_mapping, t, dev)
+    return hq
+
+
+@torch.library.custom_op("beam::qk_prep", mutates_args=("k_cache", "v_cache"))
+def qk_prep(qkvg: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Tensor,
+            k_norm_weight: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+            is_full: bool, eps: float, rope_theta: float, ssmax_base: float,
+            ssmax_exponent: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
+           k_scale, v_scale)
+    return dispatch(OP, qkvg.device, qkvg, positions, q_norm_weight, k_norm_weight, k_cache,
+                    v_cache, slot_mapping, k_scale, v_scale, is_full, eps, rope_theta,
+                    ssmax_base, ssmax_exponent)
+
+
+@qk_prep.register_fake
+def _(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping, k_scale,
+      v_scale, is_full, eps, rope_theta, ssmax_base, ssmax_exponent):
+    hq = _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
+                k_scale, v_scale)
+    t, (hkv, d) = qkvg.shape[0], k_cache.shape[2:]
+    return (qkvg.new_empty(t, hq, d), qkvg.new_empty(t, hkv, d), qkvg.new_empty(t, hkv, d),
+            qkvg.new_empty(t, hq, dtype=torch.float32))

@@ -1,0 +1,116 @@
+"""beam::attention (+ qk_prep / cache_write as the engine chains them): the reference op
+against reference.py's BeamAttention, and the Triton kernels against the reference op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plugins  # noqa: F401  (registers torch.ops.beam.*)
+from beam_trtllm.config import PRESETS
+from beam_trtllm.reference import BeamAttention, LayerKV
+from conftest import tol
+from kernel_cases import DTYPE_CASES, KERNEL_DEVICE, OpsAttentionLayer, Seq, attention_case
+from plugins._common import FP8_DTYPE, from_cache
+from plugins.attention import ref_attention
+
+TINY = PRESETS["tiny"]
+BACKENDS = [pytest.param("cpu", id="reference"),
+            pytest.param(KERNEL_DEVICE, id="triton", marks=pytest.mark.kernel)]
+
+
+def _tiny_attention(layer: int, seed: int = 0) -> BeamAttention:
+    torch.manual_seed(seed)
+    attn = BeamAttention(TINY, layer)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=TINY.hidden_size**-0.5)
+    for norm in (attn.q_norm, attn.k_norm):
+        torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
+    return attn.eval().requires_grad_(False)
+
+
+# Two sequences stepped together: prefill chunks longer than the window (8), a mixed step
+# (one decodes while the other prefills) and a pure decode step (T == B).
+CHUNKS = [(11, 3), (5, 1), (1, 9), (1, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_ops_compose_to_the_reference_layer(device, kind):
+    layer = TINY.full_layers[0] if kind == "full" else TINY.sliding_layers[0]
+    attn = _tiny_attention(layer)
+    total = [sum(c[b] for c in CHUNKS) for b in range(2)]
+    ops = OpsAttentionLayer(attn, 2, max(total), block_size=4, kv_dtype=torch.float32,
+                            device=device)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(n, TINY.hidden_size, generator=gen) for n in total]
+    caches = [LayerKV(keep_last=None if attn.is_full else TINY.sliding_window) for _ in range(2)]
+    done = [0, 0]
+    with torch.no_grad():
+        for chunk in CHUNKS:
+            inputs = [xs[b][done[b]: done[b] + chunk[b]] for b in range(2)]
+            got = ops.step(inputs, list(done))
+            for b in range(2):
+                pos = torch.arange(done[b], done[b] + chunk[b])[None]
+                want = attn(inputs[b][None], pos, caches[b])[0]
+                torch.testing.assert_close(got[b], want, **tol("fp32-reorder", torch.float32))
+                done[b] += chunk[b]
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_hist_start_hides_older_keys_like_a_reference_cache_without_them(device):
+    """After a prefix restore the keys below hist_start are gone: the op with hist_start = h
+    equals the reference layer whose cache holds only positions >= h."""
+    attn = _tiny_attention(TINY.full_layers[1])
+    hist, cached, new = 6, 13, 3
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(cached + new, TINY.hidden_size, generator=gen)
+    ops = OpsAttentionLayer(attn, 1, cached + new, block_size=4, kv_dtype=torch.float32,
+                            device=device)
+    with torch.no_grad():
+        ops.step([x[:cached]], [0])  # fills the paged cache for positions 0..12
+        ops.hist[0] = hist
+        got = ops.step([x[cached:]], [cached])[0]
+        pos = torch.arange(cached + new)[None]
+        _, k, v, _ = attn.project(x[None], pos)
+        kept = LayerKV(k[:, hist:cached], v[:, hist:cached], pos[:, hist:cached])
+        want = attn(x[None, cached:], pos[:, cached:], kept)[0]
+    torch.testing.assert_close(got, want, **tol("fp32-reorder", torch.float32))
+
+
+def test_fp8_cache_reads_entries_times_their_scale():
+    case = attention_case([Seq(9, 1), Seq(20, 4, hist=3)], 6, 2, 32, 0, 8, torch.float32,
+                          FP8_DTYPE, seed=3)
+    dequantized = dict(case, k_cache=from_cache(case["k_cache"], case["k_scale"]),
+                       v_cache=from_cache(case["v_cache"], case["v_scale"]),
+                       k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+    assert torch.equal(ref_attention(**case), ref_attention(**dequantized))
+
+
+# Kernels against the reference op on awkward shapes: G = 3 query heads per KV head, D = 32,
+# lengths not a multiple of the block size, windows shorter and longer than the sequences,
+# hist_start > 0, fresh prefills, chunks on top of a cache, decodes.
+MIXED = {
+    "full": [Seq(0, 7), Seq(37, 1), Seq(20, 13, hist=5), Seq(50, 1, hist=17), Seq(3, 2)],
+    "sliding": [Seq(0, 11), Seq(3, 1), Seq(29, 5), Seq(40, 1, hist=36), Seq(9, 12)],
+}
+DECODE = {
+    "full": [Seq(0, 1), Seq(45, 1), Seq(130, 1, hist=9)],
+    "sliding": [Seq(2, 1), Seq(61, 1), Seq(33, 1, hist=30)],
+}
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPE_CASES)
+@pytest.mark.parametrize("step", ["mixed", "decode"])
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_attention_kernel_matches_reference(kind, step, dtype, kv_dtype):
+    seqs = (MIXED if step == "mixed" else DECODE)[kind]
+    window = 8 if kind == "sliding" else 0
+    case = attention_case(seqs, 6, 2, 32, window, 16, dtype, kv_dtype, seed=4,
+                          device=KERNEL_DEVICE)
+    got = torch.ops.beam.attention(**case)
+    want = ref_attention(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                            for k, v in case.items()})
+    assert not got.isnan().any(), "the kernel read a cache row it must not read"
+    torch.testing.assert_close(got.cpu(), want, **tol("attention", dtype))

@@ -1,0 +1,63 @@
+"""The torch.library contracts of the attention-side ops: schemas and fake (meta) impls agree
+with the real op (torch.library.opcheck), and bad inputs raise one PluginError naming the op
+and the tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plugins  # noqa: F401  (registers torch.ops.beam.*)
+from kernel_cases import Seq, attention_case
+from plugins.registry import PluginError
+
+H, HQ, HKV, D = 48, 6, 2, 16
+
+
+def _qk_prep_args():
+    t = 5
+    k_cache = torch.zeros(3, 4, HKV, D)
+    return (torch.randn(t, HQ * D + 2 * HKV * D + HQ), torch.arange(t), torch.ones(D),
+            torch.ones(D), k_cache, k_cache.clone(), torch.tensor([0, 1, -1, 5, 11]),
+            torch.tensor(1.0), torch.tensor(1.0), False, 1e-6, 10000.0, 2048.0, 0.1)
+
+
+def _cases():
+    x, w = torch.randn(5, H), torch.ones(H)
+    k_cache = torch.zeros(3, 4, HKV, D)
+    attn = attention_case([Seq(3, 2), Seq(6, 1, hist=2)], HQ, HKV, D, 0, 4, torch.float32,
+                          torch.float32)
+    return {
+        "rmsnorm": (x, w, 1e-6),
+        "add_rmsnorm": (x, torch.randn(5, H), w, w, 0.9, 0.4, 1e-6),
+        "qk_prep": _qk_prep_args(),
+        "cache_write": (torch.randn(2, HKV, D), torch.randn(2, HKV, D), k_cache, k_cache.clone(),
+                        torch.tensor([7, -1]), torch.tensor(1.0), torch.tensor(1.0)),
+        "attention": tuple(attn.values()),
+        "group_router": (x, torch.randn(16, H), torch.zeros(16), 4, 2, 3, 2.5, True),
+    }
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "add_rmsnorm", "qk_prep", "cache_write",
+                                "attention", "group_router"])
+def test_schema_and_fake_impl_agree_with_the_op(op):
+    torch.library.opcheck(getattr(torch.ops.beam, op), _cases()[op],
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("op,arg,bad,needle", [
+    ("rmsnorm", 1, torch.ones(H + 1), "weight has 49 entries"),
+    ("add_rmsnorm", 1, torch.randn(5, H).double(), "y must be one of"),
+    ("qk_prep", 0, torch.randn(5, 100), "qkvg width 100"),
+    ("qk_prep", 6, torch.zeros(5, dtype=torch.int32), "slot_mapping must be one of (int64)"),
+    ("cache_write", 2, torch.zeros(3, 4, HKV + 1, D), "k_cache"),
+    ("attention", 6, torch.tensor([0, 2, 3]), "cu_seqlens_q must be one of (int32)"),
+    ("attention", 10, -1, "window must be >= 0"),
+    ("group_router", 3, 5, "n_group=5"),
+])
+def test_bad_inputs_name_the_op_and_the_tensor(op, arg, bad, needle):
+    args = list(_cases()[op])
+    args[arg] = bad
+    with pytest.raises(PluginError, match=f"beam::{op}: .*") as err:
+        getattr(torch.ops.beam, op)(*args)
+    assert needle in str(err.value)

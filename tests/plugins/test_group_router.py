@@ -1,0 +1,65 @@
+"""beam::group_router: the reference op against reference.py's BeamRouter, and the Triton
+kernels against the reference op (expert ids exact)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import plugins  # noqa: F401  (registers torch.ops.beam.*)
+from beam_trtllm.config import PRESETS
+from beam_trtllm.reference import BeamRouter
+from conftest import tol
+from kernel_cases import KERNEL_DEVICE
+from plugins.group_router import ref_group_router
+
+TINY = PRESETS["tiny"]
+
+
+def _router_case(t, e, h, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen)
+    weight = torch.randn(e, h, generator=gen) / h**0.5 * 2.0  # logits of std ~2
+    bias = 0.05 * torch.randn(e, generator=gen)
+    return x, weight, bias
+
+
+def _route_args(cfg):
+    return (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+            cfg.norm_topk_prob)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_router_op_is_the_reference_router(dtype):
+    router = BeamRouter(TINY)
+    x, weight, bias = _router_case(17, TINY.n_routed_experts, TINY.hidden_size, 0)
+    router.weight.data, router.e_score_correction_bias.data = weight, bias
+    x = x.to(dtype)
+    want_ids, want_w = router(x)
+    ids, w = torch.ops.beam.group_router(x, weight, bias, *_route_args(TINY))
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
+    assert torch.equal(w, want_w)
+
+
+# (T, E, H, n_group, topk_group, k, renormalize): the tiny router, Beam's grouping at a small
+# hidden size, groups that are not powers of two, batch 1 and many tokens (the GEMM path).
+CASES = [
+    (1, 16, 64, 4, 2, 4, True),
+    (7, 256, 96, 8, 4, 8, True),
+    (37, 256, 160, 8, 4, 8, True),
+    (5, 72, 48, 6, 3, 5, False),
+]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,h,n_group,topk_group,k,renorm", CASES)
+def test_group_router_kernel_matches_reference(t, e, h, n_group, topk_group, k, renorm, dtype):
+    x, weight, bias = _router_case(t, e, h, seed=t + e)
+    x = x.to(dtype)
+    args = (n_group, topk_group, k, 2.5, renorm)
+    want_ids, want_w = ref_group_router(x, weight, bias, *args)
+    dev = KERNEL_DEVICE
+    ids, w = torch.ops.beam.group_router(x.to(dev), weight.to(dev), bias.to(dev), *args)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), want_w, **tol("router-weights", torch.float32))

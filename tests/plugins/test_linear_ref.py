@@ -1,0 +1,48 @@
+"""linear_* ops on the plain CPU path (the reference), their meta shapes and their errors."""
+
+import pytest
+import torch
+
+import plugins  # noqa: F401
+from _linear_testdata import linear_args
+from beam_trtllm import quant_formats as qf
+from plugins import linear_fp8, linear_fp8_block, linear_nvfp4
+from plugins.registry import PluginError
+
+REFS = {"fp8": linear_fp8.ref_linear_fp8, "fp8_block": linear_fp8_block.ref_linear_fp8_block,
+        "nvfp4": linear_nvfp4.ref_linear_nvfp4}
+
+
+@pytest.mark.parametrize("fmt", sorted(REFS))
+def test_cpu_op_is_the_reference_and_meta_has_the_shape(fmt, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(2, 3, 160).to(torch.bfloat16)
+    args = linear_args(fmt, x, n=48, seed=0)
+    op = getattr(torch.ops.beam, f"linear_{fmt}")
+    y = op(*args)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
+    assert torch.equal(y, REFS[fmt](*args))
+    meta = op(*(a.to("meta") for a in args))
+    assert meta.shape == (2, 3, 48) and meta.dtype == torch.bfloat16
+
+
+def test_fp8_reference_is_w8a8():
+    x = torch.randn(5, 64)
+    _, q, scale, input_scale = linear_args("fp8", x, n=24, seed=1, per_row=True)
+    assert scale.shape == (24,)
+    xq = (x / input_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * input_scale
+    expected = xq @ (q.float() * scale[:, None]).t()
+    assert torch.equal(linear_fp8.ref_linear_fp8(x, q, scale, input_scale), expected)
+
+
+def test_errors_name_the_input():
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    _, w, s, s2 = linear_args("nvfp4", x, n=32, seed=0)
+    with pytest.raises(PluginError, match=r"linear_nvfp4: x has shape \[4, 48\]"):
+        linear_nvfp4.ref_linear_nvfp4(x[:, :48], w, s, s2)
+    with pytest.raises(PluginError, match="weight_scale has dtype"):
+        linear_nvfp4.ref_linear_nvfp4(x, w, s.float(), s2)
+    _, w8, s8 = linear_args("fp8_block", x, n=32, seed=0)
+    with pytest.raises(PluginError, match=r"weight_scale has shape \[1, 2\], expected \[1, 1\]"):
+        linear_fp8_block.ref_linear_fp8_block(x, w8, torch.ones(1, 2))
+    assert qf.FP8_BLOCK == 128
