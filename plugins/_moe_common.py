@@ -19,14 +19,20 @@ pair its own row block ("direct" mode): no align launch, and each pair reads its
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from ._checks import ACT_DTYPES, _expect, check_tensor
+from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix)
+from ._common import bf16_grid
 from .registry import PluginError
 
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
 
 
@@ -86,3 +92,195 @@ def ref_moe(
 
 def fake_moe(x: torch.Tensor, *args) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+# ---------------------------------------------------------------------------- token sorting
+@triton.jit
+def _align_kernel(ids_ptr, numel, sorted_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
+                  max_rows, max_blocks, E: tl.constexpr, BINS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr):
+    # One program: count pairs per expert, pad each count to BLOCK_M, lay the experts out in
+    # order, then scatter each pair to its expert's next free row. Ranks come from atomics, so
+    # rows within an expert are unordered; each row's result does not depend on its position.
+    bins = tl.arange(0, BINS)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, numel, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E).to(tl.int32)
+        counts += tl.histogram(ids, BINS)
+    counts = tl.where(bins < E, counts, 0)  # bin E collected the masked tail
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(num_rows_ptr, total)
+    tl.store(cursor_ptr + bins, ends - padded)
+    for start in range(0, max_rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + numel, mask=offs < max_rows)
+    for start in range(0, max_blocks, NB):
+        blocks = start + tl.arange(0, NB)
+        first_row = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(first_row < total, expert, -1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
+    tl.debug_barrier()  # the cursors and the sentinel fill are visible before the scatter
+    for start in range(0, numel, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < numel
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+        row = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+        tl.store(sorted_ptr + row, offs, mask=mask)
+
+
+@dataclass
+class Routing:
+    """Where each (token, expert) pair goes in the grouped GEMMs (see the module docstring)."""
+
+    direct: bool
+    block_m: int
+    m_blocks: int  # row blocks of the grid (pairs in direct mode)
+    rows: int  # rows of the intermediate buffer h
+    ids: torch.Tensor  # topk_ids, contiguous
+    sorted_slots: torch.Tensor | None = None
+    block_expert: torch.Tensor | None = None
+    num_rows: torch.Tensor | None = None
+
+
+def max_sorted_rows(numel: int, num_experts: int, block_m: int) -> int:
+    """Rows after padding every non-empty expert to block_m (at most min(numel, E) of them)."""
+    return triton.cdiv(numel + min(numel, num_experts) * (block_m - 1), block_m) * block_m
+
+
+def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, direct: bool) -> Routing:
+    ids = topk_ids.contiguous()
+    numel = ids.numel()
+    if direct:
+        return Routing(True, block_m, numel, numel, ids)
+    rows = max_sorted_rows(numel, num_experts, block_m)
+    dev = ids.device
+    sorted_slots = torch.empty(rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    bins = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(bins, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](ids, numel, sorted_slots, block_expert, num_rows, cursor, rows,
+                        rows // block_m, E=num_experts, BINS=bins, BLOCK_M=block_m, CHUNK=1024,
+                        NB=max(16, 8192 // bins), num_warps=8)
+    return Routing(False, block_m, rows // block_m, rows, ids, sorted_slots, block_expert, num_rows)
+
+
+# ---------------------------------------------------------------------------- kernel helpers
+@triton.jit
+def tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped launch order: GROUP_M row blocks (one expert's) share each weight tile in L2."""
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
+def block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel, DIRECT: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """(expert int64, slot of each row, row valid, row of the h buffer) of one row block."""
+    offs = tl.arange(0, BLOCK_M)
+    if DIRECT:  # one (token, expert) pair per block: row 0 only
+        expert = tl.load(ids_ptr + pid_m).to(tl.int64)
+        slots = pid_m + offs * 0
+        valid = offs == 0
+        rows = slots
+    else:
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + offs
+        slots = tl.load(sorted_ptr + rows)
+        valid = slots < numel
+    return expert, slots, valid, rows
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """FP32 x rounded to what `dtype` holds (nearest-even), kept in FP32: the reference rounds
+    every module output to the activation dtype."""
+    if dtype == tl.bfloat16:
+        x = bf16_grid(x)
+    elif dtype == tl.float16:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """F.silu(gate) * up with the reference's roundings (gate, up, silu, product to dtype)."""
+    gate = round_to(gate, dtype)
+    up = round_to(up, dtype)
+    return round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
+
+
+# ---------------------------------------------------------------------------- combine
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(0, top_k):
+        weight = tl.load(w_ptr + t * top_k + j)
+        y = tl.load(y_ptr + (t * top_k + j) * H + cols, mask=mask, other=0.0)
+        acc += y.to(tl.float32) * weight
+    tl.store(out_ptr + t * H + cols, round_to(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def combine(y: torch.Tensor, topk_weights: torch.Tensor, t: int) -> torch.Tensor:
+    """y [T*k, H] (x dtype) -> out [T, H]: sum_j float(y[t*k+j]) * w[t, j], FP32, rounded once."""
+    h = y.shape[1]
+    out = torch.empty((t, h), dtype=y.dtype, device=y.device)
+    if t:
+        block_h = min(1024, triton.next_power_of_2(h))
+        _combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_weights.contiguous(), out, h,
+                                                     topk_weights.shape[1], BLOCK_H=block_h,
+                                                     num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------- launch shapes
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def default_config(numel: int, num_experts: int, gated: bool, block_k: int = 128) -> GemmConfig:
+    """Decode (few pairs): one pair per 16-row block, narrow weight tiles so that enough
+    programs stream the 8 experts' weights at once. Prefill: 64/128-row blocks."""
+    if numel <= DIRECT_MAX_PAIRS:
+        return GemmConfig(16, 32 if gated else 64, block_k, 4, 4)
+    rows_per_expert = numel / num_experts
+    if rows_per_expert < 48:
+        return GemmConfig(32, 64, block_k, 4, 4)
+    return GemmConfig(128, 64 if gated else 128, block_k, 8, 3)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """FP32 activations get IEEE FP32 dots (the reference is FP32), others the native MMA."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def routing_ptrs(routing: Routing) -> tuple:
+    """(ids, sorted_slots, block_expert, num_rows) kernel args; direct mode passes ids for the
+    three it never reads."""
+    if routing.direct:
+        return (routing.ids,) * 4
+    return routing.ids, routing.sorted_slots, routing.block_expert, routing.num_rows
+
+
+def configs_for(numel: int, num_experts: int, config13, config2, block_k: int = 128):
+    c13 = config13 or default_config(numel, num_experts, True, block_k)
+    c2 = config2 or default_config(numel, num_experts, False, block_k)
+    if c13.block_m != c2.block_m:
+        raise PluginError(f"both GEMMs share one token sort: block_m {c13.block_m} != {c2.block_m}")
+    return c13, c2

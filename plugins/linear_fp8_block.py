@@ -12,12 +12,19 @@ x_scale * w_scale.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from beam_trtllm.quant_formats import FP8_BLOCK, dequantize_fp8, fake_quant_fp8_per_token_block
 
 from ._checks import check_device, check_linear_x, check_tensor
+from ._fp8_act import quant_fp8_per_token_block
+from ._moe_common import round_to, tile_of
+from ._tiles import linear_config
 from .registry import dispatch, register
 
 OP = "linear_fp8_block"
@@ -48,3 +55,55 @@ def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 @linear_fp8_block.register_fake
 def _(x, weight, weight_scale):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# ---------------------------------------------------------------------------- triton
+@triton.jit
+def _linear_fp8_block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_xsm,
+                             stride_wn, stride_wsn, stride_ym, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # BLOCK_K = 128: each K step is one scale group, scaled by x_scale[m, g] * w_scale[n // 128, g].
+    pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    xs_ptrs = xs_ptr + offs_m.to(tl.int64) * stride_xsm
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    ws_ptrs = ws_ptr + (offs_n // BLOCK_K) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        scale = tl.load(xs_ptrs, mask=m_mask, other=0.0)[:, None] * \
+            tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+        acc += tl.dot(a, b) * scale
+        x_ptrs += BLOCK_K
+        xs_ptrs += 1
+        w_ptrs += BLOCK_K
+        ws_ptrs += 1
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, round_to(acc, dtype).to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@register(OP, "triton")
+def linear_fp8_block_triton(x, weight, weight_scale, config=None):
+    """Launcher: per-token-per-128 quantization of x, then the block-scaled GEMM."""
+    check_linear_fp8_block(x, weight, weight_scale)
+    n, k = weight.shape
+    xq, xs = quant_fp8_per_token_block(x.reshape(-1, k))
+    m = xq.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        cfg = dataclasses.replace(config or linear_config(m, 1), block_k=FP8_BLOCK)
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        _linear_fp8_block_kernel[grid](
+            xq, xs, weight, weight_scale, y, m, n, k, xq.stride(0), xs.stride(0),
+            weight.stride(0), weight_scale.stride(0), y.stride(0), BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return y.reshape(*x.shape[:-1], n)

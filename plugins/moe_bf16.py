@@ -19,8 +19,14 @@ x.dtype, then weighted and summed over j in FP32 and rounded once.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._moe_common import check_expert_weights, check_ids_in_range, check_routing, fake_moe, ref_moe
+from ._moe_common import (
+    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_rows, check_expert_weights, check_ids_in_range,
+    check_routing, combine, configs_for, dot_precision, fake_moe, plan_routing, ref_moe, round_to,
+    routing_ptrs, silu_mul, tile_of,
+)
 from .registry import dispatch, register
 
 OP = "moe_bf16"
@@ -43,3 +49,77 @@ def moe_bf16(
 
 
 moe_bf16.register_fake(fake_moe)
+
+
+# ---------------------------------------------------------------------------- triton
+@triton.jit
+def _moe_bf16_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+                     numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_om,
+                     GATED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    # GATED: h[row] = silu(a @ gate^T) * (a @ up^T), a = x[slot // k], gate/up rows n and N + n.
+    # else:  y[slot] = h[row] @ down^T.
+    pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
+                                            DIRECT, BLOCK_M)
+    a_rows = (slots // top_k) if GATED else rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, input_precision=PRECISION)
+        if GATED:
+            b_up = tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if GATED:
+        out = silu_mul(acc, acc_up, dtype)
+        out_rows = rows
+    else:
+        out = round_to(acc, dtype)
+        out_rows = slots
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(dtype), mask=valid[:, None] & n_mask[None, :])
+
+
+def _gemm(a, w, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfig):
+    grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
+    _moe_bf16_kernel[grid](
+        a, w, out, *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        GATED=gated, DIRECT=routing.direct, PRECISION=dot_precision(a.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+@register(OP, "triton")
+def moe_bf16_triton(x, topk_ids, topk_weights, w13, w2, direct=None, config13=None, config2=None):
+    """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
+    t, h, top_k = check_routing(OP, x, topk_ids, topk_weights)
+    e, inner = check_expert_weights(OP, x, w13, w2, (x.dtype,))
+    numel = t * top_k
+    if numel == 0:
+        return torch.empty_like(x)
+    direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
+    c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
+    routing = plan_routing(topk_ids, e, c13.block_m, direct)
+    x = x.contiguous()
+    hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)
+    _gemm(x, w13, hbuf, routing, numel, top_k, inner, h, True, c13)
+    y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
+    _gemm(hbuf, w2, y, routing, numel, top_k, h, inner, False, c2)
+    return combine(y, topk_weights, t)

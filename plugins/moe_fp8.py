@@ -21,11 +21,17 @@ h is quantized with a2_scale; y rounds to x.dtype; the combine is FP32.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
 
+from ._common import e4m3_grid
+from ._fp8_act import quant_fp8_per_tensor
 from ._moe_common import (
-    check_expert_weights, check_ids_in_range, check_routing, check_tensor, fake_moe, ref_moe,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, plan_routing,
+    ref_moe, round_to, routing_ptrs, silu_mul, tile_of,
 )
 from .registry import dispatch, register
 
@@ -69,3 +75,87 @@ def moe_fp8(
 
 
 moe_fp8.register_fake(fake_moe)
+
+
+# ---------------------------------------------------------------------------- triton
+@triton.jit
+def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
+                    ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+                    numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
+                    stride_om, ACT: tl.constexpr, GATED: tl.constexpr, DIRECT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    # FP8 x FP8 on the tensor cores, exact products summed in FP32, then * a_scale * w_scale[n].
+    # GATED: h = silu(gate) * up (rounded to ACT as the reference), stored as FP8 codes of
+    # h / out_scale (the down projection's static input scale). Else y[slot] in out's dtype.
+    pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
+                                            DIRECT, BLOCK_M)
+    a_rows = (slots // top_k) if GATED else rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc)
+        if GATED:
+            acc_up = tl.dot(a, tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0), acc_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    a_scale = tl.load(a_scale_ptr)
+    ws_ptrs = ws_ptr + expert * stride_se + offs_n
+    gate = acc * a_scale * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+    if GATED:
+        up = acc_up * a_scale * tl.load(ws_ptrs + N, mask=n_mask, other=0.0)[None, :]
+        out = e4m3_grid(tl.div_rn(silu_mul(gate, up, ACT), tl.load(out_scale_ptr)))
+        out_rows = rows
+    else:
+        out = round_to(gate, ACT)
+        out_rows = slots
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, k, gated,
+          act, cfg: GemmConfig):
+    grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
+    _moe_fp8_kernel[grid](
+        a, a_scale, w, ws, out, out_scale, *routing_ptrs(routing), numel, top_k,
+        routing.m_blocks, n, k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0),
+        out.stride(0), ACT=TL_DTYPES[act], GATED=gated, DIRECT=routing.direct,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+@register(OP, "triton")
+def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
+                   direct=None, config13=None, config2=None):
+    """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
+    e, inner = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale,
+                             a2_scale)
+    t, h = x.shape
+    top_k = topk_ids.shape[1]
+    numel = t * top_k
+    if numel == 0:
+        return torch.empty_like(x)
+    direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
+    c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
+    routing = plan_routing(topk_ids, e, c13.block_m, direct)
+    xq = quant_fp8_per_tensor(x, a13_scale)
+    hq = torch.empty((routing.rows, inner), dtype=FP8[0], device=x.device)
+    _gemm(xq, a13_scale, w13, w13_scale, hq, a2_scale, routing, numel, top_k, inner, h, True,
+          x.dtype, c13)
+    y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
+    _gemm(hq, a2_scale, w2, w2_scale, y, a2_scale, routing, numel, top_k, h, inner, False,
+          x.dtype, c2)
+    return combine(y, topk_weights, t)

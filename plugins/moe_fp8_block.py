@@ -22,14 +22,21 @@ quantized; y rounds to x.dtype; the combine is FP32.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import triton
+import triton.language as tl
 
 from beam_trtllm.quant_formats import FP8_BLOCK, fake_quant_fp8_per_token_block
 
+from ._fp8_act import ACT_EPS, quant_block_tile, quant_fp8_per_token_block
 from ._moe_common import (
-    check_expert_weights, check_ids_in_range, check_routing, check_tensor, fake_moe, ref_moe,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, plan_routing,
+    ref_moe, round_to, routing_ptrs, silu_mul, tile_of,
 )
-from .registry import dispatch, register
+from .registry import PluginError, dispatch, register
 
 OP = "moe_fp8_block"
 FP8 = (torch.float8_e4m3fn,)
@@ -76,3 +83,100 @@ def moe_fp8_block(
 
 
 moe_fp8_block.register_fake(fake_moe)
+
+
+# ---------------------------------------------------------------------------- triton
+@triton.jit
+def _moe_fp8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
+                          ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+                          numel, top_k, num_m, N, K, stride_am, stride_asm, stride_we, stride_wn,
+                          stride_se, stride_sn, stride_om, stride_osm, eps,
+                          ACT: tl.constexpr, GATED: tl.constexpr, DIRECT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr):
+    # BLOCK_K = 128: each K step is one scale group; its FP32 partial dot is scaled by
+    # a_scale[row, g] * w_scale[n, g]. GATED: BLOCK_N = 128, so the tile holds whole 128-channel
+    # groups of h and quantizes them per row in the epilogue (codes + scales for the down GEMM).
+    pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
+                                            DIRECT, BLOCK_M)
+    a_rows = ((slots // top_k) if GATED else rows).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    as_ptrs = as_ptr + a_rows * stride_asm
+    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    ws_ptrs = ws_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        a_s = tl.load(as_ptrs, mask=valid, other=0.0)[:, None]
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        w_s = tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+        acc += tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0)) * (a_s * w_s)
+        if GATED:
+            w_su = tl.load(ws_ptrs + N * stride_sn, mask=n_mask, other=0.0)[None, :]
+            b_up = tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0)
+            acc_up += tl.dot(a, b_up) * (a_s * w_su)
+        a_ptrs += BLOCK_K
+        as_ptrs += 1
+        b_ptrs += BLOCK_K
+        ws_ptrs += 1
+    out_mask = valid[:, None] & n_mask[None, :]
+    if GATED:
+        codes, scale = quant_block_tile(silu_mul(acc, acc_up, ACT), eps)  # masked columns are 0
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, codes.to(tl.float8e4nv), mask=out_mask)
+        tl.store(out_s_ptr + rows.to(tl.int64) * stride_osm + pid_n, scale, mask=valid)
+    else:
+        out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, round_to(acc, ACT).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _gemm(a, a_s, w, ws, out, out_s, routing: Routing, numel, top_k, n, k, gated, act,
+          cfg: GemmConfig):
+    if cfg.block_k != FP8_BLOCK or (gated and cfg.block_n != FP8_BLOCK):
+        raise PluginError(f"beam::{OP}: block_k (and block_n of gate/up) must be {FP8_BLOCK}")
+    grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
+    _moe_fp8_block_kernel[grid](
+        a, a_s, w, ws, out, out_s, *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
+        a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
+        out.stride(0), out_s.stride(0), ACT_EPS, ACT=TL_DTYPES[act], GATED=gated,
+        DIRECT=routing.direct, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def block_configs(numel, e, config13, config2):
+    c13, c2 = configs_for(numel, e, config13, config2)
+    if config13 is None:  # gate/up tiles must cover whole 128-channel groups of h
+        c13 = dataclasses.replace(c13, block_n=FP8_BLOCK)
+    return c13, c2
+
+
+@register(OP, "triton")
+def moe_fp8_block_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, direct=None,
+                         config13=None, config2=None):
+    """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
+    e, inner = check_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
+    t, h = x.shape
+    top_k = topk_ids.shape[1]
+    numel = t * top_k
+    if numel == 0:
+        return torch.empty_like(x)
+    direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
+    c13, c2 = block_configs(numel if not direct else 1, e, config13, config2)
+    routing = plan_routing(topk_ids, e, c13.block_m, direct)
+    xq, xs = quant_fp8_per_token_block(x)
+    hq = torch.empty((routing.rows, inner), dtype=FP8[0], device=x.device)
+    hs = torch.empty((routing.rows, cdiv(inner, FP8_BLOCK)), dtype=torch.float32, device=x.device)
+    _gemm(xq, xs, w13, w13_scale, hq, hs, routing, numel, top_k, inner, h, True, x.dtype, c13)
+    y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
+    _gemm(hq, hs, w2, w2_scale, y, hs, routing, numel, top_k, h, inner, False, x.dtype, c2)
+    return combine(y, topk_weights, t)

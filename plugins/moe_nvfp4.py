@@ -22,14 +22,18 @@ x.dtype as the reference's modules do; the combine is FP32.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 
 from ._checks import _expect
 from ._moe_common import (
-    check_expert_weights, check_ids_in_range, check_routing, check_tensor, fake_moe,
-    ref_moe,
+    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_rows, check_expert_weights, check_ids_in_range,
+    check_routing, check_tensor, combine, configs_for, dot_precision, fake_moe, plan_routing,
+    ref_moe, round_to, routing_ptrs, silu_mul, tile_of,
 )
+from ._tiles import nvfp4_tile
 from .registry import dispatch, register
 
 OP = "moe_nvfp4"
@@ -73,3 +77,91 @@ def moe_nvfp4(
 
 
 moe_nvfp4.register_fake(fake_moe)
+
+
+# ---------------------------------------------------------------------------- triton
+@triton.jit
+def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
+                      ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+                      numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
+                      stride_sn, stride_om, GATED: tl.constexpr, DIRECT: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # As moe_bf16's kernel, with each weight tile decoded from NVFP4 on the fly (W4A16) and the
+    # expert's global scale applied to the FP32 accumulators.
+    pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
+                                            DIRECT, BLOCK_M)
+    a_rows = (slots // top_k) if GATED else rows
+    dtype: tl.constexpr = a_ptr.dtype.element_ty
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kp = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 16)
+    rows_n = offs_n.to(tl.int64)[:, None]
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + offs_kp[None, :]
+    s_ptrs = ws_ptr + expert * stride_se + rows_n * stride_sn + offs_ks[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        left = K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < left)[None, :], other=0.0)
+        w_mask = n_mask[:, None] & (offs_kp < left // 2)[None, :]
+        s_mask = n_mask[:, None] & (offs_ks < left // 16)[None, :]
+        b = nvfp4_tile(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K, dtype)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        if GATED:
+            b_up = nvfp4_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, w_mask, s_mask,
+                              BLOCK_N, BLOCK_K, dtype)
+            acc_up = tl.dot(a, tl.trans(b_up), acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 16
+    scale_2 = tl.load(ws2_ptr + expert)
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
+    if GATED:
+        out = silu_mul(acc * scale_2, acc_up * scale_2, out_dtype)
+        out_rows = rows
+    else:
+        out = round_to(acc * scale_2, out_dtype)
+        out_rows = slots
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_dtype), mask=valid[:, None] & n_mask[None, :])
+
+
+def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfig):
+    grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
+    _moe_nvfp4_kernel[grid](
+        a, w, ws, ws2, out, *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
+        a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
+        GATED=gated, DIRECT=routing.direct, PRECISION=dot_precision(a.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+@register(OP, "triton")
+def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale,
+                     w2_scale_2, direct=None, config13=None, config2=None):
+    """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
+    e, inner = check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
+                               w2_scale, w2_scale_2)
+    t, h = x.shape
+    top_k = topk_ids.shape[1]
+    numel = t * top_k
+    if numel == 0:
+        return torch.empty_like(x)
+    direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
+    c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
+    routing = plan_routing(topk_ids, e, c13.block_m, direct)
+    x = x.contiguous()
+    hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)
+    _gemm(x, w13, w13_scale, w13_scale_2, hbuf, routing, numel, top_k, inner, h, True, c13)
+    y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
+    _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2)
+    return combine(y, topk_weights, t)

@@ -1,0 +1,77 @@
+"""FP8 activation quantizers used by the fp8 moe/linear ops before their GEMMs.
+
+- per tensor (static scale s): q = fp8_e4m3(clamp(x / s, +-448))     (W8A8, ModelOpt input_scale)
+- per token per 128 channels (dynamic): s = max(amax, 1e-10) / 448, q = fp8_e4m3(x / s)
+Both divide with IEEE rounding (tl.div_rn) and round with plugins._common.e4m3_grid, so the
+codes equal those of beam_trtllm.quant_formats on the GPU and in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from beam_trtllm.quant_formats import FP8_BLOCK
+
+from ._common import e4m3_grid
+
+FP8 = torch.float8_e4m3fn
+ACT_EPS = 1e-10  # keeps an all-zero group's scale finite (quant_formats uses the same)
+
+
+@triton.jit
+def _quant_per_tensor_kernel(x_ptr, s_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = e4m3_grid(tl.div_rn(x, tl.load(s_ptr)))
+    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
+def quant_block_tile(x, eps):
+    """x [R, 128] FP32 -> (exact-FP32 codes [R, 128], scale [R]) for one 128-channel group."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.div_rn(tl.maximum(amax, eps), 448.0)
+    return e4m3_grid(tl.div_rn(x, scale[:, None])), scale
+
+
+@triton.jit
+def _quant_per_token_block_kernel(x_ptr, q_ptr, s_ptr, T, K, KB, stride_x, stride_q, eps,
+                                  BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    mask = (rows[:, None] < T) & (cols[None, :] < K)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    q, scale = quant_block_tile(x.to(tl.float32), eps)
+    tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + rows64 * KB + group, scale, mask=rows < T)
+
+
+def quant_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (contiguous) -> fp8 codes of the same shape."""
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    n = x.numel()
+    if n:
+        block = 2048
+        _quant_per_tensor_kernel[(triton.cdiv(n, block),)](x, scale, q, n, BLOCK=block, num_warps=4)
+    return q
+
+
+def quant_fp8_per_token_block(x: torch.Tensor):
+    """x [T, K] -> (codes fp8 [T, K], scales fp32 [T, ceil(K/128)])."""
+    x = x.contiguous()
+    t, k = x.shape
+    kb = triton.cdiv(k, FP8_BLOCK)
+    q = torch.empty((t, k), dtype=FP8, device=x.device)
+    s = torch.empty((t, kb), dtype=torch.float32, device=x.device)
+    if t:
+        block_t = 4
+        grid = (triton.cdiv(t, block_t), kb)
+        _quant_per_token_block_kernel[grid](x, q, s, t, k, kb, x.stride(0), q.stride(0), ACT_EPS,
+                                            BLOCK_T=block_t, GROUP=FP8_BLOCK, num_warps=4)
+    return q, s

@@ -1,0 +1,36 @@
+"""The Triton linear_* kernels (interpreter on the CPU) against their ref_ functions: a few
+tokens and many (two tile rows, the last partial), K not a multiple of the tile, N not a
+multiple of the tile, per-tensor and per-row FP8 weight scales, FP32 and BF16."""
+
+import pytest
+import torch
+
+import plugins  # noqa: F401
+from _linear_testdata import linear_args
+from conftest import tol
+from plugins import linear_fp8, linear_fp8_block, linear_nvfp4
+
+KERNELS = {"fp8": (linear_fp8.linear_fp8_triton, linear_fp8.ref_linear_fp8),
+           "fp8_block": (linear_fp8_block.linear_fp8_block_triton,
+                         linear_fp8_block.ref_linear_fp8_block),
+           "nvfp4": (linear_nvfp4.linear_nvfp4_triton, linear_nvfp4.ref_linear_nvfp4)}
+
+
+@pytest.mark.parametrize("fmt", sorted(KERNELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [3, 131])
+def test_kernel_matches_reference(fmt, dtype, t):
+    x = torch.randn(t, 208, generator=torch.Generator().manual_seed(t)).to(dtype)
+    args = linear_args(fmt, x, n=72, seed=t)
+    kernel, ref = KERNELS[fmt]
+    out = kernel(*args)
+    assert out.dtype == dtype and out.shape == (t, 72)
+    torch.testing.assert_close(out, ref(*args), **tol("linear", dtype))
+
+
+def test_fp8_per_row_scale_and_leading_dims_through_the_op():
+    x = torch.randn(2, 5, 208).to(torch.bfloat16)
+    args = linear_args("fp8", x, n=40, seed=3, per_row=True)
+    out = torch.ops.beam.linear_fp8(*args)  # TRITON_INTERPRET=1: the Triton GEMM
+    assert out.shape == (2, 5, 40)
+    torch.testing.assert_close(out, linear_fp8.ref_linear_fp8(*args), **tol("linear", torch.bfloat16))

@@ -1,0 +1,88 @@
+"""The Triton moe_* kernels (in Triton's interpreter on the CPU) against their ref_ functions:
+odd token counts, experts with no tokens, every token on one expert, K not a multiple of the
+tile, I not a multiple of 128 (block FP8), FP32 and BF16, both routing paths (direct pairs for
+decode, sorted blocks for prefill), and the token sort checked exactly."""
+
+import pytest
+import torch
+
+import plugins  # noqa: F401
+from _moe_testdata import activation_scales, dense_experts, moe_args, pack_experts, random_routing
+from conftest import tol
+from plugins import _moe_common, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
+
+KERNELS = {"bf16": (moe_bf16.moe_bf16_triton, moe_bf16.ref_moe_bf16),
+           "fp8": (moe_fp8.moe_fp8_triton, moe_fp8.ref_moe_fp8),
+           "fp8_block": (moe_fp8_block.moe_fp8_block_triton, moe_fp8_block.ref_moe_fp8_block),
+           "nvfp4": (moe_nvfp4.moe_nvfp4_triton, moe_nvfp4.ref_moe_nvfp4)}
+# Block FP8 gets two 128-groups with a partial last one in both GEMMs (H=200, I=144); the
+# others a K that is not a multiple of any tile (H=80 < BLOCK_K, I=48).
+SHAPES = {"bf16": (80, 48), "fp8": (80, 48), "fp8_block": (200, 144), "nvfp4": (80, 48)}
+E, K = 8, 4
+
+
+def _tolerance(fmt, dtype):
+    return tol("moe-fp8" if fmt.startswith("fp8") else "moe", dtype)
+
+
+def _case(fmt, dtype, t, seed, experts=None, ids=None):
+    h, inner = SHAPES[fmt]
+    gate, up, down = dense_experts(E, h, inner, seed=seed)
+    packed = pack_experts(fmt, gate, up, down)
+    if fmt == "bf16":
+        packed = {k: v.to(dtype) for k, v in packed.items()}
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    rid, w = random_routing(t, E, K, seed=seed, experts=experts)
+    return moe_args(fmt, x, rid if ids is None else ids, w, packed, activation_scales(x, 3.0))
+
+
+@pytest.mark.parametrize("fmt", sorted(KERNELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,direct", [(3, True), (17, False)])
+def test_kernel_matches_reference(fmt, dtype, t, direct):
+    # experts 6 and 7 get no tokens
+    args = _case(fmt, dtype, t, seed=t, experts=6)
+    kernel, ref = KERNELS[fmt]
+    out = kernel(*args, direct=direct)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    torch.testing.assert_close(out, ref(*args), **_tolerance(fmt, dtype))
+
+
+@pytest.mark.parametrize("fmt", sorted(KERNELS))
+def test_all_tokens_on_one_expert_through_the_op(fmt):
+    t = 19  # 76 pairs: the op takes the sorted path on its own
+    ids = torch.stack([torch.randperm(E - 1)[: K - 1] + 1 for _ in range(t)])
+    ids = torch.cat([torch.zeros(t, 1, dtype=torch.int64), ids], 1).to(torch.int32)
+    args = _case(fmt, torch.bfloat16, t, seed=5, ids=ids)
+    out = getattr(torch.ops.beam, f"moe_{fmt}")(*args)  # TRITON_INTERPRET=1: the Triton kernel
+    torch.testing.assert_close(out, KERNELS[fmt][1](*args), **_tolerance(fmt, torch.bfloat16))
+
+
+def test_single_token_and_empty_batch():
+    args = _case("nvfp4", torch.bfloat16, 1, seed=9)
+    kernel, ref = KERNELS["nvfp4"]
+    torch.testing.assert_close(kernel(*args), ref(*args), **_tolerance("nvfp4", torch.bfloat16))
+    empty = [a[:0] if i < 3 else a for i, a in enumerate(args)]
+    assert kernel(*empty).shape == (0, args[0].shape[1])
+
+
+@pytest.mark.parametrize("t,experts", [(1, None), (37, 5), (40, 1)])
+def test_align_places_every_pair_exactly_once(t, experts):
+    k, block_m = (1, 16) if experts == 1 else (K, 16)
+    ids, _ = random_routing(t, E, k, seed=t, experts=experts)
+    r = _moe_common.plan_routing(ids, E, block_m, direct=False)
+    numel = ids.numel()
+    assert r.rows == _moe_common.max_sorted_rows(numel, E, block_m)
+    counts = torch.bincount(ids.flatten().long(), minlength=E)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert int(r.num_rows) == int(padded.sum())
+    starts = torch.cumsum(padded, 0) - padded
+    slots, owners = r.sorted_slots.long(), r.block_expert.long()
+    for e in range(E):
+        rows = slots[starts[e]: starts[e] + padded[e]]
+        want = (ids.flatten() == e).nonzero().flatten()
+        assert sorted(rows[rows < numel].tolist()) == want.tolist()
+        assert (rows[rows >= numel] == numel).all()  # padding holds the sentinel
+        assert (owners[starts[e] // block_m: (starts[e] + padded[e]) // block_m] == e).all()
+    assert (slots[int(r.num_rows):] == numel).all()
+    assert (owners[int(r.num_rows) // block_m:] == -1).all()
