@@ -52,6 +52,42 @@ def init_tiny_cmd(out_dir, seed):
     click.echo(f"wrote tiny Beam ({cfg.total_params:,} parameters, seed {seed}) to {path}")
 
 
+@main.command("build")
+@click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("engine_dir", type=click.Path(path_type=Path))
+@click.option("--target", type=click.Choice(["cpu", "sm90", "sm100"]), default="cpu", show_default=True)
+@click.option("--max-batch", default=8, show_default=True, help="Concurrent sequences.")
+@click.option("--max-seq-len", default=4096, show_default=True, help="Prompt + generated tokens.")
+@click.option("--max-num-tokens", default=512, show_default=True, help="Tokens per step.")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default=None,
+              help="KV cache dtype [default: fp8 if the checkpoint has KV scales, else bf16].")
+@click.option("--kv-memory", type=float, default=None,
+              help="GiB for the KV cache [default: room for --max-batch x --max-seq-len].")
+@click.option("--block-size", default=32, show_default=True, help="Tokens per KV block.")
+@click.option("--cuda-graph-batch-sizes", default="", help="Comma-separated decode batch sizes to capture.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing ENGINE_DIR.")
+def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_tokens, kv_dtype,
+              kv_memory, block_size, cuda_graph_batch_sizes, overwrite):
+    """Build an engine dir (repacked weights, KV plan, tokenizer) from a converted checkpoint."""
+    from .checkpoint import CheckpointError
+    from .engine.build import build_engine
+    from .engine.plan import BuildOptions
+    from .engine.types import EngineError
+
+    try:
+        sizes = tuple(int(s) for s in cuda_graph_batch_sizes.split(",") if s.strip())
+    except ValueError as exc:
+        raise BeamCLIError(f"--cuda-graph-batch-sizes {cuda_graph_batch_sizes!r}: {exc}") from exc
+    try:
+        opts = BuildOptions(target=target, max_batch=max_batch, max_seq_len=max_seq_len,
+                            max_num_tokens=max_num_tokens, kv_dtype=kv_dtype,
+                            kv_memory_gib=kv_memory, block_size=block_size,
+                            cuda_graph_batch_sizes=sizes)
+        build_engine(ckpt_dir, engine_dir, opts, progress=click.echo, overwrite=overwrite)
+    except (EngineError, ConfigError, CheckpointError) as exc:
+        raise BeamCLIError(str(exc)) from exc
+
+
 @main.command("generate")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--prompt", required=True, help="Prompt text (a user message with --chat).")
@@ -61,9 +97,41 @@ def init_tiny_cmd(out_dir, seed):
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", default=None, type=int)
-def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed):
-    """Generate text from a checkpoint with the plain-PyTorch reference model (CPU), streaming."""
-    _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed)
+@click.option("--stop", multiple=True, help="Stop string (repeatable; engine dirs only).")
+def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop):
+    """Generate text, streaming: with the engine for an engine dir (from `beam-trt build`),
+    with the plain-PyTorch reference model (CPU) for a checkpoint dir."""
+    if (model_dir / "engine.json").is_file():
+        _generate_engine(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop)
+    else:
+        if stop:
+            raise BeamCLIError("--stop needs an engine dir (the reference path has no stop strings)")
+        _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def _generate_engine(engine_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop):
+    from .engine.engine import Engine
+    from .engine.types import EngineError, SamplingParams
+
+    try:
+        engine = Engine.from_dir(engine_dir)
+        text = (engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                if chat else prompt)
+        ids = engine.tokenizer.encode(text)
+        sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, seed=seed, stop=tuple(stop))
+        engine.add_request("cli", ids, sampling)
+    except (EngineError, FileNotFoundError, ValueError) as exc:
+        raise BeamCLIError(str(exc)) from exc
+    click.echo(text, nl=False)
+    reason = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            click.echo(out.text, nl=False)
+            sys.stdout.flush()
+            reason = out.finish_reason or reason
+    click.echo()
+    click.echo(f"[{reason}; {engine.stats['generated_tokens']} tokens, {engine.device}]", err=True)
 
 
 def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed):

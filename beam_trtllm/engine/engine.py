@@ -158,11 +158,12 @@ class Engine(DisaggMixin, OutputMixin):
                 outputs += self._after_forward(chunks, logits)
             self._flush_events()
             self.stats["steps"] += 1
-            self.stats["preemptions"] = sum(r.num_preemptions for r in self.requests.values())
+            self.stats["preemptions"] = self.scheduler.num_preemptions
             return outputs
 
     def _forward(self, chunks) -> torch.Tensor:
-        decode_only = all(c.n == 1 for c in chunks)
+        # Graphs cover plain decode: one token per sequence, nothing to restore from the cache.
+        decode_only = all(c.n == 1 and c.start >= c.request.full_cached for c in chunks)
         if self.graphs is not None and decode_only and len(chunks) <= self.graphs.max_batch:
             self.stats["graph_steps"] += 1
             return self.graphs.run(chunks)

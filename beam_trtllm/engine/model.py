@@ -106,19 +106,28 @@ class BeamModel:
     @torch.inference_mode()
     def forward(self, s: StepInputs) -> torch.Tensor:
         """-> logits [S, V] fp32 of the rows in `s.logits_rows`."""
-        cfg, ops = self.cfg, self.ops
-        eps = cfg.rms_norm_eps
         h = F.embedding(s.input_ids, self.embed)
-        x = ops.rmsnorm(h, self.layers[0]["input_layernorm"], eps)
-        for i, layer in enumerate(self.layers):
-            y = self._attention(i, layer, x, s)
-            a, b = cfg.residual_coeffs(2 * i)
-            h, x = ops.add_rmsnorm(h, y, layer["post_attention_layernorm"],
-                                   layer["pre_feedforward_layernorm"], a, b, eps)
-            y = self._ffn(i, layer, x)
-            a, b = cfg.residual_coeffs(2 * i + 1)
-            nxt = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else self.final_norm
-            h, x = ops.add_rmsnorm(h, y, layer["post_feedforward_layernorm"], nxt, a, b, eps)
+        x = self.ops.rmsnorm(h, self.layers[0]["input_layernorm"], self.cfg.rms_norm_eps)
+        for i in range(len(self.layers)):
+            h, x = self.layer(i, h, x, s)
+        return self.logits(x, s)
+
+    def layer(self, i: int, h: torch.Tensor, x: torch.Tensor, s: StepInputs):
+        """Decoder layer i: (residual stream h, its pre-attention norm x) -> the same for the
+        next layer (after the last, x is the final norm's output)."""
+        cfg, ops, layer = self.cfg, self.ops, self.layers[i]
+        eps = cfg.rms_norm_eps
+        y = self._attention(i, layer, x, s)
+        a, b = cfg.residual_coeffs(2 * i)
+        h, x = ops.add_rmsnorm(h, y, layer["post_attention_layernorm"],
+                               layer["pre_feedforward_layernorm"], a, b, eps)
+        y = self._ffn(i, layer, x)
+        a, b = cfg.residual_coeffs(2 * i + 1)
+        nxt = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else self.final_norm
+        return ops.add_rmsnorm(h, y, layer["post_feedforward_layernorm"], nxt, a, b, eps)
+
+    def logits(self, x: torch.Tensor, s: StepInputs) -> torch.Tensor:
+        # As the reference: the LM head's BF16 output, then FP32 for sampling.
         return F.linear(x.index_select(0, s.logits_rows), self.lm_head).float()
 
     def _attention(self, i: int, layer: dict, x: torch.Tensor, s: StepInputs) -> torch.Tensor:

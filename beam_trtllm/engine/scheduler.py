@@ -33,6 +33,7 @@ class Scheduler:
         self.restore_span = num_sliding_layers * (window - 1) if num_sliding_layers else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -121,6 +122,7 @@ class Scheduler:
         self.running.remove(req)
         req.state = State.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _drop_kv(self, req: Request) -> None:

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..config import BeamConfig
-from ..quant_formats import FP8_BLOCK
+from ..quant_formats import FP8_BLOCK, fp8_block_scale_2d
 from .types import EngineError
 
 FIELDS = {
@@ -71,11 +71,25 @@ def _part(get: Get, get_dtype, name: str, fmt: str) -> dict[str, torch.Tensor]:
         return {"weight": w, "weight_scale": get(f"{name}.weight_scale"),
                 "weight_scale_2": get(f"{name}.weight_scale_2").float().reshape(())}
     scale = get(f"{name}.weight_scale").float()
-    if scale.dim() == 2:
-        return {"weight": w, "weight_scale": scale, "_block": torch.tensor(1)}
+    if _is_block_scale(scale, w, get_dtype(f"{name}.input_scale") is not None, name):
+        scale = fp8_block_scale_2d(scale).reshape(-(-w.shape[0] // FP8_BLOCK), -(-w.shape[1] // FP8_BLOCK))
+        return {"weight": w, "weight_scale": scale.contiguous(), "_block": torch.tensor(1)}
     per_row = scale.reshape(-1).expand(w.shape[0]).contiguous() if scale.numel() == 1 else scale
     return {"weight": w, "weight_scale": per_row,
             "input_scale": get(f"{name}.input_scale").float().reshape(())}
+
+
+def _is_block_scale(scale: torch.Tensor, w: torch.Tensor, has_input_scale: bool, name: str) -> bool:
+    """ModelOpt writes 128x128 block scales as [nb, 1, kb, 1] (0-d for a single block) and no
+    input_scale (weight-only blocks, activations quantized per token in the GEMM)."""
+    if scale.dim() in (2, 4):
+        return True
+    if scale.dim() == 0 and not has_input_scale:
+        if w.shape[0] > FP8_BLOCK or w.shape[1] > FP8_BLOCK:
+            raise EngineError(f"checkpoint tensor {name}.weight is FP8 with one scale and no "
+                              "input_scale: neither a per-tensor W8A8 nor a block-scaled Linear")
+        return True
+    return False
 
 
 def _packable(fmt: str, seg: list[dict], part: dict) -> bool:

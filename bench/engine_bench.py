@@ -1,0 +1,257 @@
+"""Engine benchmark: a full-width Beam with 4 layers (0: dense sliding, 1-2: MoE sliding,
+3: MoE full), random weights made on the GPU in the engine's repacked layout, FP8 (W8A8) and
+NVFP4 (W4A16 on Hopper). Reports, per format:
+
+- per-layer batch-1 decode time (each layer's step captured in a CUDA graph, 2K context)
+  against its weight-read floor (bytes touched / measured copy bandwidth);
+- CUDA kernels launched per layer in one eager decode step (torch profiler);
+- 8 x 2K prefill time per layer (one chunk of 16K tokens) against its GEMM floor;
+- batch-1 and batch-64 decode through `Engine.step()` (whole model, CUDA graphs).
+
+    PYTHONPATH=. python bench/engine_bench.py [--formats fp8,nvfp4] [--smoke]
+
+--smoke runs a narrow config on the CPU (reference ops) to check the script itself. The two
+ceilings are measured first (device copy, dense BF16 / FP8 GEMMs), as METHOD.md asks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench_model import (  # noqa: E402
+    bench_config, decode_bytes, make_engine, prefill_flops,
+)
+
+from beam_trtllm.engine.batch import build_step  # noqa: E402
+from beam_trtllm.engine.request import Chunk  # noqa: E402
+from beam_trtllm.engine.types import SamplingParams  # noqa: E402
+
+GB = 1e9
+
+
+def cuda_time(fn, iters: int, device) -> float:
+    """Median milliseconds of fn() over `iters` runs, timed with CUDA events (wall on CPU)."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings(device) -> dict:
+    if device.type != "cuda":
+        return {"copy_GBps": 1.0, "bf16_TFLOPs": 1.0, "fp8_TFLOPs": 1.0, "fp32_TFLOPs": 1.0}
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = cuda_time(lambda: dst.copy_(src), 20, device)
+    out = {"copy_GBps": 2 * src.numel() / ms / 1e6}
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = cuda_time(lambda: a @ b, 20, device)
+    out["bf16_TFLOPs"] = 2 * n**3 / ms / 1e9
+    torch.backends.cuda.matmul.allow_tf32 = False  # the router's FP32 GEMM: IEEE FP32
+    af, bf = a.float(), b.float()
+    ms = cuda_time(lambda: af @ bf, 5, device)
+    out["fp32_TFLOPs"] = 2 * n**3 / ms / 1e9
+    del af, bf
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0, device=device)
+    ms = cuda_time(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 20, device)
+    out["fp8_TFLOPs"] = 2 * n**3 / ms / 1e9
+    return out
+
+
+def prefill(engine, seqs: int, seq_len: int, device, iters: int) -> tuple[list, list[float]]:
+    """Schedule `seqs` prompts of `seq_len` in one chunk and time each layer's forward."""
+    for k in range(seqs):
+        prompt = torch.randint(0, engine.cfg.vocab_size - 8, (seq_len,)).tolist()
+        engine.add_request(f"p{k}", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    chunks = engine.scheduler.schedule()
+    assert sum(c.n for c in chunks) == seqs * seq_len, "budget must hold the whole prefill"
+    s = build_step(chunks, engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    model = engine.model
+    per_layer = [[] for _ in model.layers]
+    with torch.inference_mode():
+        for it in range(iters + 1):  # the first pass compiles the kernels
+            h = torch.nn.functional.embedding(s.input_ids, model.embed)
+            x = model.ops.rmsnorm(h, model.layers[0]["input_layernorm"], engine.cfg.rms_norm_eps)
+            for i in range(len(model.layers)):
+                out = []
+                ms = cuda_time(lambda: out.append(model.layer(i, h, x, s)), 1, device)
+                h, x = out[0]
+                if it:
+                    per_layer[i].append(ms)
+        logits = model.logits(x, s)
+    engine._after_forward(chunks, logits)  # commit the KV and sample the first tokens
+    return chunks, [statistics.median(t) for t in per_layer]
+
+
+def decode_layers(engine, chunk, device, iters: int) -> list[float]:
+    """Batch-1 decode time of each layer alone, replaying its captured CUDA graph."""
+    s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    model, times = engine.model, []
+    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    x = model.ops.rmsnorm(h, model.layers[0]["input_layernorm"], engine.cfg.rms_norm_eps)
+    with torch.inference_mode():
+        for i in range(len(model.layers)):
+            for _ in range(2):
+                model.layer(i, h, x, s)
+            if device.type == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    model.layer(i, h, x, s)
+                times.append(cuda_time(graph.replay, 200, device))
+            else:
+                times.append(cuda_time(lambda: model.layer(i, h, x, s), 3, device))
+    return times
+
+
+def count_launches(engine, chunk, device) -> list[dict]:
+    """Kernels each layer launches in one eager batch-1 decode step (torch profiler)."""
+    if device.type != "cuda":
+        return [{} for _ in engine.model.layers]
+    from torch.profiler import ProfilerActivity, profile
+
+    s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    model, out = engine.model, []
+    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    x = model.ops.rmsnorm(h, model.layers[0]["input_layernorm"], engine.cfg.rms_norm_eps)
+    with torch.inference_mode():
+        for i in range(len(model.layers)):
+            model.layer(i, h, x, s)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                model.layer(i, h, x, s)
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernels = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
+            out.append({"kernels": len(kernels), "memcpy_memset": len(names) - len(kernels),
+                        "names": kernels})
+    return out
+
+
+def decode_throughput(engine, batch: int, prompt_len: int, steps: int, device) -> dict:
+    """Whole-model decode through Engine.step() (scheduler, graphs, sampler included)."""
+    for k in range(batch):
+        prompt = torch.randint(0, engine.cfg.vocab_size - 8, (prompt_len,)).tolist()
+        engine.add_request(f"d{batch}-{k}", prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    graph_steps = engine.stats["graph_steps"]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) * 1e3 / steps
+    for k in range(batch):
+        engine.abort(f"d{batch}-{k}")
+    engine.step()
+    return {"batch": batch, "step_ms": ms, "tokens_per_s": batch * 1e3 / ms,
+            "graph_steps": engine.stats["graph_steps"] - graph_steps, "steps": steps}
+
+
+def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
+    cfg = bench_config(args.smoke)
+    seqs, seq_len = (8, 2048) if not args.smoke else (2, 40)
+    t = time.perf_counter()
+    engine = make_engine(cfg, fmt, device, max_num_tokens=seqs * seq_len, graph_sizes=(1, 64))
+    res = {"format": fmt, "setup_s": time.perf_counter() - t, "layers": []}
+    chunks, prefill_ms = prefill(engine, seqs, seq_len, device, iters=2 if not args.smoke else 1)
+    req = chunks[0].request
+    assert engine.scheduler._ensure_blocks(req, req.num_computed + 1)
+    chunk = Chunk(req, req.num_computed, 1)
+    decode_ms = decode_layers(engine, chunk, device, iters=200)
+    launches = count_launches(engine, chunk, device)
+    for i in range(cfg.num_hidden_layers):
+        nbytes = decode_bytes(cfg, fmt, i, context=seq_len)
+        lin, attn, router = prefill_flops(cfg, i, seqs, seq_len)
+        rate = ceilings["fp8_TFLOPs"] if fmt == "fp8" else ceilings["bf16_TFLOPs"]
+        floor_prefill = (lin / rate + attn / ceilings["bf16_TFLOPs"] + router / ceilings["fp32_TFLOPs"]) / 1e9
+        floor_decode = nbytes / ceilings["copy_GBps"] / 1e6
+        res["layers"].append({
+            "layer": i, "kind": ("full" if cfg.is_full(i) else "sliding") + (" MoE" if cfg.is_moe(i) else " dense"),
+            "decode_ms": decode_ms[i], "decode_floor_ms": floor_decode, "decode_bytes_MB": nbytes / 1e6,
+            "kernels": launches[i].get("kernels"), "memcpy_memset": launches[i].get("memcpy_memset"),
+            "kernel_names": launches[i].get("names"),
+            "prefill_ms": prefill_ms[i], "prefill_floor_ms": floor_prefill,
+            "prefill_TFLOP": {"linear": lin / 1e12, "attention": attn / 1e12, "router_fp32": router / 1e12}})
+    for k in range(seqs):
+        engine.abort(f"p{k}")
+    engine.step()
+    res["decode"] = [decode_throughput(engine, b, 128 if not args.smoke else 6, 16 if not args.smoke else 2, device)
+                     for b in (1, 64 if not args.smoke else 4)]
+    return res
+
+
+def print_table(results: list[dict], ceilings: dict) -> None:
+    print(f"\nceilings: copy {ceilings['copy_GBps']:.0f} GB/s, BF16 {ceilings['bf16_TFLOPs']:.0f} "
+          f"TFLOP/s, FP8 {ceilings['fp8_TFLOPs']:.0f} TFLOP/s, FP32 {ceilings['fp32_TFLOPs']:.0f} TFLOP/s")
+    for r in results:
+        if "error" in r:
+            print(f"\n{r['format']}: FAILED {r['error']}")
+            continue
+        print(f"\n{r['format']} (setup {r['setup_s']:.0f} s)")
+        print("| layer | kind | decode b=1 ms | floor ms | x floor | kernels | prefill 8x2K ms | GEMM floor ms | x floor |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for l in r["layers"]:
+            print(f"| {l['layer']} | {l['kind']} | {l['decode_ms']:.4f} | {l['decode_floor_ms']:.4f} | "
+                  f"{l['decode_ms'] / l['decode_floor_ms']:.2f} | {l['kernels']} (+{l['memcpy_memset']}) | "
+                  f"{l['prefill_ms']:.2f} | {l['prefill_floor_ms']:.2f} | "
+                  f"{l['prefill_ms'] / l['prefill_floor_ms']:.2f} |")
+        for d in r["decode"]:
+            print(f"decode batch {d['batch']}: {d['step_ms']:.3f} ms/step, {d['tokens_per_s']:.0f} tok/s "
+                  f"({d['graph_steps']}/{d['steps']} steps in CUDA graphs)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="fp8,nvfp4")
+    ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    torch.manual_seed(0)
+    ceilings = measure_ceilings(device)
+    results = []
+    for fmt in args.formats.split(","):
+        try:
+            results.append(bench_format(fmt, args, device, ceilings))
+        except Exception as exc:  # report every format even if one fails  # noqa: BLE001
+            traceback.print_exc()
+            results.append({"format": fmt, "error": f"{type(exc).__name__}: {exc}"})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "engine_bench.json").write_text(json.dumps({"ceilings": ceilings, "results": results,
+                                                              "device": str(torch.cuda.get_device_name()) if device.type == "cuda" else "cpu"}, indent=1))
+    print_table(results, ceilings)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The benchmark's model: a full-width Beam cut to 4 layers, random weights made directly on
+the device in the engine's repacked layout (no checkpoint, no engine dir: 40 GB of FP8 weights
+would not fit the bench machine's disk), plus the byte and FLOP counts of the floors."""
+
+from __future__ import annotations
+
+import torch
+
+from beam_trtllm.config import FULL, SLIDING, BeamConfig, preset
+from beam_trtllm.engine.engine import Engine
+from beam_trtllm.engine.plan import BuildOptions, kv_plan
+
+E2M1_RMS = 2.93  # RMS of uniformly random E2M1 codes
+FP8_SPREAD = 32.0  # random FP8 codes ~ N(0, 32^2): well inside E4M3's range
+NVFP4_BYTES = 0.5 + 1 / 16
+
+
+def bench_config(smoke: bool) -> BeamConfig:
+    types = (SLIDING, SLIDING, SLIDING, FULL)
+    if not smoke:
+        return preset("beam-1.0-501b").replace(num_hidden_layers=4, first_k_dense_replace=1,
+                                               layer_types=types)
+    return BeamConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                      moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, first_k_dense_replace=1,
+                      n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                      sliding_window=16, layer_types=types, max_position_embeddings=4096)
+
+
+def _fp8(shape, fan_in, device, lead=()):
+    """Random FP8 weight [*lead, *shape] (made one leading slice at a time) and its scale."""
+    w = torch.empty(*lead, *shape, dtype=torch.float8_e4m3fn, device=device)
+    flat = w.view(-1, *shape)
+    for k in range(flat.shape[0]):
+        flat[k] = (torch.randn(shape, device=device) * FP8_SPREAD).to(torch.float8_e4m3fn)
+    return w, 1.0 / (FP8_SPREAD * fan_in**0.5)
+
+
+def _nvfp4(shape, device, lead=()):
+    n, k = shape
+    w = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8, device=device)
+    scale = torch.ones(*lead, n, k // 16, device=device).to(torch.float8_e4m3fn)
+    return w, scale, 1.0 / (E2M1_RMS * k**0.5)
+
+
+def _linear(rows: int, k: int, fmt: str, device, parts: list[str]):
+    if fmt == "fp8":
+        w, s = _fp8((rows, k), k, device)
+        t = {"weight": w, "weight_scale": torch.full((rows,), s, device=device),
+             "input_scale": torch.tensor(5.0 / 448, device=device)}
+    else:
+        w, sc, s2 = _nvfp4((rows, k), device)
+        t = {"weight": w, "weight_scale": sc, "weight_scale_2": torch.tensor(s2, device=device)}
+    return {f"0.{n}": v for n, v in t.items()}, [{"format": fmt, "parts": parts, "rows": rows}]
+
+
+def _experts(cfg: BeamConfig, fmt: str, device) -> dict:
+    e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    f32 = dict(device=device, dtype=torch.float32)
+    if fmt == "fp8":
+        w13, s13 = _fp8((2 * i, h), h, device, (e,))
+        w2, s2 = _fp8((h, i), i, device, (e,))
+        return {"w13": w13, "w13_scale": torch.full((e, 2 * i), s13, **f32), "w2": w2,
+                "w2_scale": torch.full((e, h), s2, **f32), "a13_scale": torch.tensor(5.0 / 448, **f32),
+                "a2_scale": torch.tensor(2.0 / 448, **f32)}
+    w13, sc13, s13 = _nvfp4((2 * i, h), device, (e,))
+    w2, sc2, s2 = _nvfp4((h, i), device, (e,))
+    return {"w13": w13, "w13_scale": sc13, "w13_scale_2": torch.full((e,), s13, **f32),
+            "w2": w2, "w2_scale": sc2, "w2_scale_2": torch.full((e,), s2, **f32)}
+
+
+def random_weights(cfg: BeamConfig, fmt: str, device) -> tuple[dict, dict]:
+    """The q/k/v/g rows are one quantized segment (a recipe that quantizes the output gate
+    too; with a BF16 gate the engine runs two GEMMs and a concat)."""
+    h, bf16 = cfg.hidden_size, dict(device=device, dtype=torch.bfloat16)
+    w = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, **bf16),
+         "model.norm.weight": torch.ones(h, **bf16),
+         "lm_head.weight": torch.randn(cfg.vocab_size, h, **bf16) * (2.0 / h**0.5)}
+    plan = {}
+    for li in range(cfg.num_hidden_layers):
+        p, lp = f"model.layers.{li}.", {}
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            w[f"{p}{n}.weight"] = torch.ones(h, **bf16)
+        for n in ("q_norm", "k_norm"):
+            w[f"{p}self_attn.{n}.weight"] = torch.ones(cfg.head_dim, **bf16)
+        qkvg = cfg.q_size + 2 * cfg.kv_size + cfg.num_attention_heads
+        linears = [("self_attn.qkvg_proj", qkvg, h, ["self_attn.q_proj", "self_attn.k_proj",
+                                                     "self_attn.v_proj", "self_attn.g_proj"]),
+                   ("self_attn.o_proj", h, cfg.q_size, ["self_attn.o_proj"])]
+        if not cfg.is_moe(li):
+            linears += [("mlp.gate_up_proj", 2 * cfg.intermediate_size, h, ["mlp.gate_proj", "mlp.up_proj"]),
+                        ("mlp.down_proj", h, cfg.intermediate_size, ["mlp.down_proj"])]
+        for name, rows, k, parts in linears:
+            tensors, lp[name] = _linear(rows, k, fmt, device, parts)
+            w.update({f"{p}{name}.{n}": t for n, t in tensors.items()})
+        if cfg.is_moe(li):
+            w[f"{p}mlp.gate.weight"] = torch.randn(cfg.n_routed_experts, h, device=device) / h**0.5
+            w[f"{p}mlp.gate.e_score_correction_bias"] = 0.05 * torch.randn(cfg.n_routed_experts, device=device)
+            w.update({f"{p}mlp.experts.{n}": t for n, t in _experts(cfg, fmt, device).items()})
+            lp["experts"] = fmt
+        plan[f"layer{li}"] = lp
+    return w, plan
+
+
+def make_engine(cfg: BeamConfig, fmt: str, device, max_num_tokens: int, graph_sizes) -> Engine:
+    cuda = device.type == "cuda"
+    opts = BuildOptions(target="sm90" if cuda else "cpu", max_batch=64 if cuda else 4,
+                        max_seq_len=4096 if cuda else 256, max_num_tokens=max_num_tokens,
+                        block_size=32 if cuda else 8, kv_memory_gib=1.0 if cuda else 0.01,
+                        cuda_graph_batch_sizes=graph_sizes if cuda else ())
+    weights, plan = random_weights(cfg, fmt, device)
+    return Engine(cfg, weights, plan, opts, kv_plan(cfg, opts, "bf16"), device)
+
+
+# ---------------------------------------------------------------------------- floors
+def _linear_params(cfg: BeamConfig, i: int) -> tuple[int, int]:
+    """(params of the layer's quantized GEMMs touched per token, router params)."""
+    h = cfg.hidden_size
+    attn = (cfg.q_size + 2 * cfg.kv_size + cfg.num_attention_heads) * h + h * cfg.q_size
+    if not cfg.is_moe(i):
+        return attn + 3 * h * cfg.intermediate_size, 0
+    return attn + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size, cfg.n_routed_experts * h
+
+
+def decode_bytes(cfg: BeamConfig, fmt: str, i: int, context: int) -> float:
+    """Bytes a batch-1 decode step of layer i must read: weights (scales included), the FP32
+    router, and the KV of its visible context (BF16 cache)."""
+    params, router = _linear_params(cfg, i)
+    per = 1.0 + 4.0 / 128 if fmt == "fp8" else NVFP4_BYTES  # fp8: + per-row fp32 scales (~)
+    visible = context if cfg.is_full(i) else min(context, cfg.sliding_window)
+    return params * per + router * 4 + visible * cfg.kv_size * 2 * 2
+
+
+def prefill_flops(cfg: BeamConfig, i: int, seqs: int, seq_len: int) -> tuple[float, float, float]:
+    """(quantized GEMM FLOPs, attention FLOPs, FP32 router FLOPs) of one prefill of layer i."""
+    tokens = seqs * seq_len
+    params, router = _linear_params(cfg, i)
+    w = seq_len if cfg.is_full(i) else cfg.sliding_window
+    keys = sum(min(p + 1, w) for p in range(seq_len)) * seqs
+    attn = 4 * keys * cfg.num_attention_heads * cfg.head_dim
+    return 2.0 * tokens * params, float(attn), 2.0 * tokens * router
