@@ -1,0 +1,73 @@
+"""`beam-trt serve` as a user runs it: ready line with the URL, a chat answer, Ctrl-C stops
+everything; a component that dies stops the whole graph with an error naming it."""
+
+import os
+import signal
+import time
+from collections import deque
+from pathlib import Path
+
+from dynamo_graphs.demo_chat import chat, start_serve, wait_url
+from helpers.serving import GRAPHS, graph_from
+
+
+def _graph_processes(run_dir: Path) -> list[int]:
+    """PIDs of live processes started for this run (they all carry its discovery folder)."""
+    marker = f"DYN_FILE_KV={run_dir / 'discovery'}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return pids
+
+
+def _serve(tmp_path, engine_dir):
+    graph = graph_from("agg.yaml", tmp_path, engine_dir)
+    run_dir = tmp_path / "run"
+    proc = start_serve(str(graph.path), str(engine_dir), ["--run-dir", str(run_dir)])
+    tail = deque(maxlen=200)
+    url = wait_url(proc, tail, 300, show=False)
+    assert url is not None, "\n".join(tail)
+    assert len(_graph_processes(run_dir)) == 2  # frontend + one worker
+    return proc, run_dir, url, tail
+
+
+def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path, engine_dir):
+    proc, run_dir, url, tail = _serve(tmp_path, engine_dir)
+    try:
+        assert chat(url, "hello", 6)
+        assert any(line.startswith("[frontend] ") for line in tail)
+        assert any(line.startswith("[backend-0] ") for line in tail)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    assert code == 0
+    assert _graph_processes(run_dir) == []
+
+
+def test_serve_stops_the_graph_when_a_component_dies(tmp_path, engine_dir):
+    proc, run_dir, url, tail = _serve(tmp_path, engine_dir)
+    import json
+
+    worker_pid = json.loads((run_dir / "status" / "backend-0.json").read_text())["pid"]
+    os.kill(worker_pid, signal.SIGKILL)
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while _graph_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert code == 1
+    assert any("component backend-0 exited with code -9" in line for line in tail), list(tail)
+    assert _graph_processes(run_dir) == []
+
+
+def test_shipped_graphs_point_at_the_demo_engine():
+    assert (GRAPHS / "disagg.yaml").read_text().count("engine_dir: ../out/demo/engine") == 1
