@@ -62,7 +62,10 @@ class NixlKvTransport:
         self.layout = layout_of(self.tensors)
         self.mem_type = "DRAM" if self.tensors[0].tensor.device.type == "cpu" else "VRAM"
         self.device_id = max(0, self.tensors[0].tensor.get_device())
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: it busy-polls a core even when idle. Progress is driven by our
+        # own calls instead (the READ loop on the decode side, poll() on the prefill side).
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
+                                                        backends=["UCX"]))
         self._reg = self.agent.register_memory([t.tensor for t in self.tensors])
         self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self._known_agents: set[str] = set()
@@ -122,19 +125,26 @@ class NixlKvTransport:
         if not local:
             return 0.0
         start = time.monotonic()
-        xfer = self.agent.initialize_xfer(
-            "READ", self.agent.get_xfer_descs(local, self.mem_type),
-            self.agent.get_xfer_descs(remote, self.mem_type), remote_agent,
-            DONE + hid.encode())
+        try:
+            xfer = self.agent.initialize_xfer(
+                "READ", self.agent.get_xfer_descs(local, self.mem_type),
+                self.agent.get_xfer_descs(remote, self.mem_type), remote_agent,
+                DONE + hid.encode())
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
+            self.notify_failure(remote_agent, hid)
+            raise KvTransferError(f"KV handle {hid}: NIXL refused the READ from {remote_agent}: "
+                                  f"{type(exc).__name__} {exc}") from exc
         try:
             state = self.agent.transfer(xfer)
             while state == "PROC" and time.monotonic() - start < timeout_s:
                 time.sleep(0.0005)
                 state = self.agent.check_xfer_state(xfer)
+        except Exception as exc:  # noqa: BLE001 - a backend error mid-transfer
+            state = f"ERR ({type(exc).__name__} {exc})"
         finally:
             self._release(xfer)
         if state != "DONE":
-            why = "timed out" if state == "PROC" else "failed"
+            why = "timed out" if state == "PROC" else f"failed: {state}"
             self.notify_failure(remote_agent, hid)
             raise KvTransferError(
                 f"KV handle {hid}: NIXL READ of {handle['nbytes']} bytes from {remote_agent} "

@@ -1,0 +1,160 @@
+"""The prefill -> decode KV handoff between two real engines and two NIXL agents, in-process:
+exact continuation, and every failure path frees the KV on both sides (counted)."""
+
+import argparse
+import asyncio
+import copy
+import threading
+import time
+
+import pytest
+
+from beam_trtllm.engine.engine import Engine
+from beam_trtllm.engine.types import SamplingParams
+from dynamo_graphs.disagg import DecodeSide, PrefillSide, cache_tensors
+from dynamo_graphs.graph import Timeouts
+from dynamo_graphs.nixl_kv import KvTransferError, NixlKvTransport
+
+PROMPT = [7, 300, 41, 99, 5, 250, 18, 77, 402, 3, 64, 128, 200, 11, 9, 310, 45, 60, 6, 1]
+
+
+@pytest.fixture(scope="module")
+def pair(engine_dir):
+    prefill_engine = Engine.from_dir(engine_dir, device="cpu")
+    decode_engine = Engine.from_dir(engine_dir, device="cpu")
+    a = NixlKvTransport("handoff-test-prefill", cache_tensors(prefill_engine))
+    b = NixlKvTransport("handoff-test-decode", cache_tensors(decode_engine))
+    yield prefill_engine, decode_engine, a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def polled():
+    """PrefillSides whose notifications are polled every 2 ms, as the worker's poller does
+    (without NIXL's progress thread the prefill agent serves READs only while polled)."""
+    sides, stop = [], threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            for side in list(sides):
+                side.poll()
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield sides.append
+    stop.set()
+    thread.join(timeout=5)
+
+
+def _run(engine, rid):
+    tokens, reason = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                reason = out.finish_reason or reason
+    return tokens, reason
+
+
+def _prefill(engine, side, rid):
+    engine.add_request(rid, PROMPT, SamplingParams(max_tokens=1), prefill_only=True)
+    _run(engine, rid)
+    return side.export(rid)
+
+
+def _drain(prefill, timeout_s=5.0):
+    """Poll the prefill side's notifications until no pin is left (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while prefill.pinned and time.monotonic() < deadline:
+        prefill.poll()
+        time.sleep(0.01)
+
+
+def _assert_free(*engines):
+    for e in engines:
+        snap = e.load_snapshot()
+        assert e.kv_usage().used_blocks == 0 and snap["num_pinned"] == snap["num_reserved"] == 0
+        assert snap["ring_rows_free"] == snap["ring_rows_total"]
+
+
+def test_handoff_continues_exactly_and_the_notification_frees_the_prefill_side(pair, polled):
+    pe, de, a, b = pair
+    want = Engine.generate(pe, [PROMPT], SamplingParams(max_tokens=10))[0]["token_ids"]
+    prefill, decode = PrefillSide(pe, a, ttl_s=30), DecodeSide(de, b, Timeouts())
+    polled(prefill)
+    handle = _prefill(pe, prefill, "ok-1")
+    assert handle["first_token"] == want[0] and handle["num_tokens"] == len(PROMPT)
+    reserved = asyncio.run(decode.pull("ok-1", PROMPT, handle))
+    de.add_request("ok-1", PROMPT, SamplingParams(max_tokens=10), kv_reserved=reserved)
+    tokens, _ = _run(de, "ok-1")
+    assert tokens == want
+    _drain(prefill)  # the READ's notification arrives asynchronously
+    assert prefill.stats["released_done"] == 1 and not prefill.pinned
+    _assert_free(pe, de)
+
+
+def test_a_failed_read_frees_both_sides(pair):
+    pe, de, a, b = pair
+    prefill, decode = PrefillSide(pe, a, ttl_s=30), DecodeSide(de, b, Timeouts())
+    handle = _prefill(pe, prefill, "bad-1")
+    broken = copy.deepcopy(handle)
+    broken["bases"] = [x + (1 << 40) for x in broken["bases"]]  # outside registered memory
+    with pytest.raises(KvTransferError, match="KV handle bad-1"):
+        asyncio.run(decode.pull("bad-1", PROMPT, broken))
+    assert decode.stats["failed"] == 1
+    _drain(prefill)  # the decode side's `fail:` notification releases the pin
+    assert prefill.stats["released_failed"] == 1
+    _assert_free(pe, de)
+
+
+def test_an_unclaimed_handoff_is_released_after_its_ttl(pair):
+    pe, de, a, b = pair
+    prefill = PrefillSide(pe, a, ttl_s=0.2)
+    _prefill(pe, prefill, "ttl-1")
+    assert pe.kv_usage().used_blocks > 0
+    asyncio.run(asyncio.sleep(0.3))
+    prefill.poll()
+    assert prefill.stats["released_ttl"] == 1
+    _assert_free(pe)
+
+
+def test_a_mismatched_prompt_is_refused_before_reserving(pair):
+    pe, de, a, b = pair
+    prefill, decode = PrefillSide(pe, a, ttl_s=30), DecodeSide(de, b, Timeouts())
+    handle = _prefill(pe, prefill, "len-1")
+    with pytest.raises(KvTransferError, match="holds 20 tokens, the prompt has 19"):
+        asyncio.run(decode.pull("len-1", PROMPT[:-1], handle))
+    prefill._release("len-1", "released_failed")
+    _assert_free(pe, de)
+
+
+@pytest.mark.parametrize("policy", ["error", "recompute"])
+def test_decode_worker_failure_policy(pair, engine_dir, policy):
+    """`on_transfer_failure`: a clear error, or the decode worker computes the prompt."""
+    from dynamo.llm.exceptions import DynamoException
+
+    from dynamo_graphs.worker import BeamWorker, parse_args
+
+    pe, de, a, b = pair
+    worker = BeamWorker(parse_args(["--engine-dir", str(engine_dir), "--role", "decode",
+                                    "--on-transfer-failure", policy]))
+    worker.engine, worker.decode = de, DecodeSide(de, b, Timeouts())
+    prefill = PrefillSide(pe, a, ttl_s=30)
+    handle = _prefill(pe, prefill, f"policy-{policy}")
+    handle["bases"] = [x + (1 << 40) for x in handle["bases"]]
+    request = {"token_ids": PROMPT, "prefill_result": {"disaggregated_params": handle}}
+    sampling = SamplingParams(max_tokens=6)
+    if policy == "error":
+        with pytest.raises(DynamoException, match="KV handoff from the prefill worker failed"):
+            asyncio.run(worker._admission("p-1", PROMPT, sampling, request))
+    else:
+        add, cached = asyncio.run(worker._admission("p-1", PROMPT, sampling, request))
+        assert cached is None
+        add()
+        tokens, _ = _run(de, "p-1")
+        want = Engine.generate(pe, [PROMPT], SamplingParams(max_tokens=6))[0]["token_ids"]
+        assert tokens == want
+    _drain(prefill)
+    _assert_free(pe, de)
