@@ -1,0 +1,230 @@
+"""Serving benchmark: the tiny Beam through Dynamo (agg, disagg) against the engine called directly,
+and TTFT of a repeated long prompt served from the host KV tier against recomputing it.
+
+    python bench/serve_bench.py --engine-dir out/bench/engine [--tier-engine-dir out/bench/tier]
+
+Load: closed loop at concurrency C (C requests in flight; a finished one is replaced) until
+`--requests-per-slot` x C requests are done; each prompt ~`--prompt-tokens` tokens, exactly
+`--max-tokens` generated (ignore_eos). Reported per setup and C: output tokens/s (total
+generated / wall time), mean TTFT, mean inter-token latency (per request: (t_last - t_first) /
+(n - 1)). The direct engine runs in this process through add_request/step, so "Dynamo
+overhead" = 1 - dynamo tok/s / direct tok/s at the same C. Every request goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dynamo_graphs.graph import parse_graph  # noqa: E402
+from dynamo_graphs.launch import launch  # noqa: E402
+
+
+def prompts(tokenizer, n: int, length: int, tag: str) -> list[list[int]]:
+    """n distinct prompts of exactly `length` tokens (distinct heads: no prefix sharing)."""
+    base = tokenizer.encode(" ".join(f"w{j}" for j in range(length)))
+    out = []
+    for i in range(n):
+        head = tokenizer.encode(f"{tag} {i}:")
+        out.append((head + base)[:length])
+    return out
+
+
+def summarize(records, wall: float) -> dict:
+    tokens = sum(r["n"] for r in records)
+    itls = [(r["t_last"] - r["t_first"]) / (r["n"] - 1) for r in records if r["n"] > 1]
+    return {"tok_s": tokens / wall, "ttft_ms": 1e3 * statistics.mean(r["ttft"] for r in records),
+            "itl_ms": 1e3 * statistics.mean(itls) if itls else float("nan"),
+            "requests": len(records)}
+
+
+# --------------------------------------------------------------------------- direct engine
+def run_direct(engine, work: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    from beam_trtllm.engine.types import SamplingParams
+
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    pending = list(enumerate(work))
+    live: dict[str, dict] = {}
+    records = []
+    t0 = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i, ids = pending.pop(0)
+            rid = f"direct-{i}-{time.monotonic_ns()}"
+            engine.add_request(rid, ids, sampling)
+            live[rid] = {"t0": time.perf_counter(), "n": 0, "t_first": None, "t_last": None}
+        for out in engine.step():
+            r = live.get(out.request_id)
+            if r is None or not out.new_token_ids and not out.finished:
+                continue
+            now = time.perf_counter()
+            if out.new_token_ids:
+                r["n"] += len(out.new_token_ids)
+                r["t_first"] = r["t_first"] or now
+                r["t_last"] = now
+            if out.finished:
+                r["ttft"] = r["t_first"] - r["t0"]
+                records.append(live.pop(out.request_id))
+    return summarize(records, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- through Dynamo
+async def _one(client, ids, max_tokens, rec):
+    stream = await client.completions.create(
+        model="beam", prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices:
+            rec["t_first"] = rec["t_first"] or now
+            rec["t_last"] = now
+        if chunk.usage is not None:
+            rec["n"] = chunk.usage.completion_tokens
+
+
+async def run_dynamo(url: str, work, concurrency: int, max_tokens: int) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+    queue = list(work)
+    records = []
+
+    async def slot():
+        while queue:
+            ids = queue.pop(0)
+            rec = {"t0": time.perf_counter(), "n": 0, "t_first": None, "t_last": None}
+            await _one(client, ids, max_tokens, rec)
+            rec["ttft"] = rec["t_first"] - rec["t0"]
+            records.append(rec)
+
+    t0 = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*(slot() for _ in range(concurrency))), 1800)
+    wall = time.perf_counter() - t0
+    await client.close()
+    return summarize(records, wall)
+
+
+def graph(name: str, engine_dir: Path, workers: list[dict], offload: dict | None = None):
+    raw = {"name": name, "engine_dir": str(engine_dir), "served_model_name": "beam",
+           "frontend": {"http_port": 0, "router_mode": "kv"}, "workers": workers,
+           "timeouts": {"startup_s": 300}}
+    if offload:
+        raw["offload"] = offload
+    return parse_graph(raw, Path(tempfile.mkdtemp()) / f"{name}.yaml")
+
+
+# --------------------------------------------------------------------------- sections
+def throughput(args, tokenizer) -> list[tuple]:
+    from beam_trtllm.engine.engine import Engine
+
+    rows = []
+    engine = Engine.from_dir(args.engine_dir)
+    run_direct(engine, prompts(tokenizer, 2, args.prompt_tokens, "warm"), 2, 4)
+    setups = {"agg": [{"name": "backend", "role": "agg"}],
+              "disagg": [{"name": "prefill", "role": "prefill"},
+                         {"name": "decode", "role": "decode"}]}
+    results: dict[tuple, dict] = {}
+    for c in args.concurrency:
+        work = prompts(tokenizer, c * args.requests_per_slot, args.prompt_tokens, f"d{c}")
+        results[("direct", c)] = run_direct(engine, work, c, args.max_tokens)
+        print(f"direct c={c}: {results[('direct', c)]}", flush=True)
+    del engine
+    for name, workers in setups.items():
+        running = launch(graph(f"bench-{name}", args.engine_dir, workers), echo=None)
+        try:
+            url = running.url
+            asyncio.run(run_dynamo(url, prompts(tokenizer, 2, args.prompt_tokens, "w"), 2, 4))
+            for c in args.concurrency:
+                work = prompts(tokenizer, c * args.requests_per_slot, args.prompt_tokens,
+                               f"{name}{c}")
+                results[(name, c)] = asyncio.run(run_dynamo(url, work, c, args.max_tokens))
+                print(f"{name} c={c}: {results[(name, c)]}", flush=True)
+        finally:
+            running.stop()
+    for (setup, c), r in results.items():
+        base = results[("direct", c)]["tok_s"]
+        rows.append((setup, c, r["requests"], r["tok_s"], r["ttft_ms"], r["itl_ms"],
+                     100 * (1 - r["tok_s"] / base)))
+    return rows
+
+
+async def _ttft(url, ids) -> float:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+    rec = {"t0": time.perf_counter(), "n": 0, "t_first": None, "t_last": None}
+    await _one(client, ids, 2, rec)
+    await client.close()
+    return rec["t_first"] - rec["t0"]
+
+
+def tier_ttft(args, tokenizer) -> list[tuple]:
+    """Long prompt P: cold (recompute), device hit, and host-tier hit after eviction."""
+    long_len = args.tier_prompt_tokens
+    workers = [{"name": "backend", "role": "agg"}]
+    running = launch(graph("bench-tier", args.tier_engine_dir, workers,
+                           {"host_mib": args.host_mib}), echo=None)
+    rows = []
+    try:
+        url = running.url
+        asyncio.run(_ttft(url, prompts(tokenizer, 1, 64, "warm")[0]))
+        for i in range(args.tier_repeats):
+            p, filler, cold = prompts(tokenizer, 3, long_len, f"tier{i}")
+            t_cold = asyncio.run(_ttft(url, p))  # recompute: never seen
+            t_device = asyncio.run(_ttft(url, p))  # its blocks are still on the device
+            asyncio.run(_ttft(url, filler))  # evicts P's blocks to the host tier
+            t_host = asyncio.run(_ttft(url, p))  # loaded back from the host tier
+            t_cold2 = asyncio.run(_ttft(url, cold))
+            rows.append((i, long_len, 1e3 * t_cold, 1e3 * t_cold2, 1e3 * t_device,
+                         1e3 * t_host, min(t_cold, t_cold2) / t_host))
+            print(rows[-1], flush=True)
+        status = (running.run_dir / "status" / "backend-0.json").read_text()
+        print("worker status:", status)
+    finally:
+        running.stop()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine-dir", type=Path, default=ROOT / "out/bench/engine")
+    p.add_argument("--tier-engine-dir", type=Path, default=ROOT / "out/bench/tier")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-slot", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--tier-prompt-tokens", type=int, default=1800)
+    p.add_argument("--tier-repeats", type=int, default=3)
+    p.add_argument("--host-mib", type=float, default=64)
+    p.add_argument("--skip", choices=["throughput", "tier"], nargs="*", default=[])
+    args = p.parse_args()
+    from beam_trtllm.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(args.engine_dir)
+    if "throughput" not in args.skip:
+        rows = throughput(args, tokenizer)
+        print("\n| setup | concurrency | requests | output tok/s | mean TTFT ms | mean ITL ms "
+              "| tok/s below direct |\n|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.0f} | {r[5]:.1f} "
+                  f"| {r[6]:.1f}% |")
+    if "tier" not in args.skip:
+        rows = tier_ttft(args, tokenizer)
+        print("\n| repeat | prompt tokens | TTFT cold ms | TTFT cold (2nd prompt) ms "
+              "| TTFT device hit ms | TTFT host-tier hit ms | speed-up vs recompute |\n"
+              "|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.0f} "
+                  f"| {r[6]:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
