@@ -123,36 +123,44 @@ def graph(name: str, engine_dir: Path, workers: list[dict], offload: dict | None
 
 # --------------------------------------------------------------------------- sections
 def throughput(args, tokenizer) -> list[tuple]:
+    """Both graphs stay up; each round runs direct, agg, disagg back to back at each C, so a
+    change in the machine's background load hits all three alike. Median over rounds."""
     from beam_trtllm.engine.engine import Engine
 
-    rows = []
-    engine = Engine.from_dir(args.engine_dir)
-    run_direct(engine, prompts(tokenizer, 2, args.prompt_tokens, "warm"), 2, 4)
     setups = {"agg": [{"name": "backend", "role": "agg"}],
               "disagg": [{"name": "prefill", "role": "prefill"},
                          {"name": "decode", "role": "decode"}]}
-    results: dict[tuple, dict] = {}
-    for c in args.concurrency:
-        work = prompts(tokenizer, c * args.requests_per_slot, args.prompt_tokens, f"d{c}")
-        results[("direct", c)] = run_direct(engine, work, c, args.max_tokens)
-        print(f"direct c={c}: {results[('direct', c)]}", flush=True)
-    del engine
-    for name, workers in setups.items():
-        running = launch(graph(f"bench-{name}", args.engine_dir, workers), echo=None)
-        try:
-            url = running.url
-            asyncio.run(run_dynamo(url, prompts(tokenizer, 2, args.prompt_tokens, "w"), 2, 4))
+    graphs = {name: launch(graph(f"bench-{name}", args.engine_dir, w), echo=None)
+              for name, w in setups.items()}
+    samples: dict[tuple, list[dict]] = {}
+    try:
+        engine = Engine.from_dir(args.engine_dir)
+        run_direct(engine, prompts(tokenizer, 2, args.prompt_tokens, "warm"), 2, 4)
+        for running in graphs.values():
+            asyncio.run(run_dynamo(running.url, prompts(tokenizer, 2, args.prompt_tokens, "w"),
+                                   2, 4))
+        for rnd in range(args.rounds):
             for c in args.concurrency:
-                work = prompts(tokenizer, c * args.requests_per_slot, args.prompt_tokens,
-                               f"{name}{c}")
-                results[(name, c)] = asyncio.run(run_dynamo(url, work, c, args.max_tokens))
-                print(f"{name} c={c}: {results[(name, c)]}", flush=True)
-        finally:
+                n = c * args.requests_per_slot
+                work = prompts(tokenizer, n, args.prompt_tokens, f"r{rnd}d{c}")
+                samples.setdefault(("direct", c), []).append(
+                    run_direct(engine, work, c, args.max_tokens))
+                for name, running in graphs.items():
+                    work = prompts(tokenizer, n, args.prompt_tokens, f"r{rnd}{name}{c}")
+                    samples.setdefault((name, c), []).append(
+                        asyncio.run(run_dynamo(running.url, work, c, args.max_tokens)))
+                print(f"round {rnd} c={c}: " + "; ".join(
+                    f"{k[0]} {v[-1]['tok_s']:.1f} tok/s" for k, v in samples.items()
+                    if k[1] == c), flush=True)
+    finally:
+        for running in graphs.values():
             running.stop()
-    for (setup, c), r in results.items():
-        base = results[("direct", c)]["tok_s"]
-        rows.append((setup, c, r["requests"], r["tok_s"], r["ttft_ms"], r["itl_ms"],
-                     100 * (1 - r["tok_s"] / base)))
+    rows = []
+    for (setup, c), runs in sorted(samples.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        med = {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "ttft_ms", "itl_ms")}
+        base = statistics.median(r["tok_s"] for r in samples[("direct", c)])
+        rows.append((setup, c, sum(r["requests"] for r in runs), med["tok_s"], med["ttft_ms"],
+                     med["itl_ms"], 100 * (1 - med["tok_s"] / base)))
     return rows
 
 
@@ -198,9 +206,10 @@ def main() -> None:
     p.add_argument("--engine-dir", type=Path, default=ROOT / "out/bench/engine")
     p.add_argument("--tier-engine-dir", type=Path, default=ROOT / "out/bench/tier")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--requests-per-slot", type=int, default=3)
+    p.add_argument("--requests-per-slot", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--tier-prompt-tokens", type=int, default=1800)
     p.add_argument("--tier-repeats", type=int, default=3)
     p.add_argument("--host-mib", type=float, default=64)
