@@ -170,16 +170,18 @@ def _stream(src, plan, writer: Writer, calib, opts) -> None:
                unit_scale=True, desc=f"convert {opts.quant}", file=sys.stderr, mininterval=0.5,
                smoothing=0.1)
     since, last = 0, time.monotonic()
-    for u, out, digest in _ordered(work, todo, opts.workers):
-        writer.write_unit(u, out, digest)
-        bar.update(size(u))
-        since += sum(t.numel() * t.element_size() for t in out.values())
-        if throttle:
-            time.sleep(throttle)
-        if since >= COMMIT_BYTES or time.monotonic() - last >= COMMIT_SECONDS:
-            writer.commit()
-            since, last = 0, time.monotonic()
-    bar.close()
+    try:
+        for u, out, digest in _ordered(work, todo, opts.workers):
+            writer.write_unit(u, out, digest)
+            bar.update(size(u))
+            since += sum(t.numel() * t.element_size() for t in out.values())
+            if throttle:
+                time.sleep(throttle)
+            if since >= COMMIT_BYTES or time.monotonic() - last >= COMMIT_SECONDS:
+                writer.commit()
+                since, last = 0, time.monotonic()
+    finally:
+        bar.close()
     writer.commit()
 
 
