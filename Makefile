@@ -41,6 +41,8 @@ demo: $(STAMP)
 	$(BIN)/beam-trt info $(DEMO)/tiny --context 4096
 	$(BIN)/beam-trt generate $(DEMO)/tiny --chat --max-new-tokens 24 \
 	    --prompt "Write a function that adds two numbers."
+	$(BIN)/beam-trt convert $(DEMO)/tiny $(DEMO)/tiny-nvfp4 --quant nvfp4 --kv-cache fp8
+	$(BIN)/beam-trt verify $(DEMO)/tiny-nvfp4 --against $(DEMO)/tiny
 
 clean:
 	rm -rf $(VENV) out
