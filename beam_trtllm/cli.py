@@ -180,7 +180,7 @@ def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, to
 @click.option("--calib-seq-len", default=128, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--workers", default=None, type=int, help="Quantization threads (default: cores).")
-@click.option("--shard-size", "shard_size_mb", default=5000, show_default=True,
+@click.option("--shard-size", "shard_size_mb", default=5000.0, show_default=True,
               help="Max output shard size in MB (--format hf).")
 def convert_cmd(in_dir, out_dir, quant, kv_cache, fmt, tp, ep, calib_data, calib_samples,
                 calib_seq_len, device, workers, shard_size_mb):

@@ -20,7 +20,7 @@ from beam_trtllm.checkpoint import INDEX_NAME, SINGLE_NAME, shard_name
 
 from .errors import ConvertError
 from .shard import Mapping, placement, rank_shape, take
-from .st_io import NAMES, PartialFile, header_for, nbytes_of
+from .st_io import NAMES, PartialFile, header_for, nbytes_of, sha256_file
 
 STATE = ".convert-state.json"
 
@@ -92,6 +92,11 @@ class Writer:
                 if not (self.dir / f.name).is_file():
                     raise ConvertError(f"{self.dir / f.name}: finished earlier but now missing; "
                                        f"remove {self.dir} and convert again")
+                self.cursor[f.name] = len(f.specs)
+            elif f.name in state["open"] and not (self.dir / (f.name + ".partial")).exists() \
+                    and (self.dir / f.name).is_file():
+                # finished (fsynced, renamed) after the last journal write: keep it as it is
+                self.done[f.name] = sha256_file(self.dir / f.name)
                 self.cursor[f.name] = len(f.specs)
             elif f.name in state["open"]:
                 offset, cursor = state["open"][f.name]

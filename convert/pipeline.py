@@ -53,7 +53,7 @@ class ConvertOptions:
     calib_seq_len: int = DEFAULT_SEQ_LEN
     device: str = "cpu"
     workers: int = max(1, os.cpu_count() or 1)
-    shard_size_mb: int = 5000
+    shard_size_mb: float = 5000.0
 
 
 def _log(msg: str) -> None:
@@ -170,16 +170,18 @@ def _stream(src, plan, writer: Writer, calib, opts) -> None:
                unit_scale=True, desc=f"convert {opts.quant}", file=sys.stderr, mininterval=0.5,
                smoothing=0.1)
     since, last = 0, time.monotonic()
-    for u, out, digest in _ordered(work, todo, opts.workers):
-        writer.write_unit(u, out, digest)
-        bar.update(size(u))
-        since += sum(t.numel() * t.element_size() for t in out.values())
-        if throttle:
-            time.sleep(throttle)
-        if since >= COMMIT_BYTES or time.monotonic() - last >= COMMIT_SECONDS:
-            writer.commit()
-            since, last = 0, time.monotonic()
-    bar.close()
+    try:
+        for u, out, digest in _ordered(work, todo, opts.workers):
+            writer.write_unit(u, out, digest)
+            bar.update(size(u))
+            since += sum(t.numel() * t.element_size() for t in out.values())
+            if throttle:
+                time.sleep(throttle)
+            if since >= COMMIT_BYTES or time.monotonic() - last >= COMMIT_SECONDS:
+                writer.commit()
+                since, last = 0, time.monotonic()
+    finally:
+        bar.close()
     writer.commit()
 
 
@@ -201,7 +203,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, opts: ConvertOptions) -> Pa
     plan = make_plan(src.cfg, recipe, tokens is not None, opts.kv_cache == "fp8")
     outs = [u.outputs for u in plan.units]
     files = (trtllm_layout(outs, src.cfg, mapping) if mapping
-             else hf_layout(outs, opts.shard_size_mb * 1_000_000))
+             else hf_layout(outs, int(opts.shard_size_mb * 1_000_000)))
     plan_hash = _plan_hash(src, opts, plan, files, tokens)
     resuming = _prepare_out_dir(out_dir, plan_hash)
     calib = _run_calibration(src, plan, tokens, out_dir, resuming, opts.device) if tokens else None

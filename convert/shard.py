@@ -145,6 +145,10 @@ def rank_shape(shape, where) -> tuple[int, ...]:
     return tuple(s // parts if d == dim else s for d, s in enumerate(shape))
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
 def unshard(name: str, pieces: dict[int, torch.Tensor], shape, cfg: BeamConfig, m: Mapping):
     """Reassemble one tensor from its rank pieces, checking replicas are identical."""
     by_index: dict[int, torch.Tensor] = {}
@@ -154,8 +158,7 @@ def unshard(name: str, pieces: dict[int, torch.Tensor], shape, cfg: BeamConfig, 
         if where == "full":
             where = (0, 1, 0)
         dim, _, index = where
-        if index in by_index and not torch.equal(by_index[index].view(torch.uint8),
-                                                 piece.view(torch.uint8)):
+        if index in by_index and not torch.equal(_bytes(by_index[index]), _bytes(piece)):
             raise ConvertError(f"tensor {name}: replicas on different ranks differ")
         by_index.setdefault(index, piece)
     parts = [by_index[i] for i in sorted(by_index)]

@@ -188,7 +188,10 @@ class PartialFile:
         return self.sha.hexdigest()
 
     def abandon(self) -> None:
-        self.f.close()
+        try:
+            self.f.close()
+        except OSError:
+            pass  # the unflushed tail lies past the journal's durable offset: resume redoes it
 
 
 def sha256_file(path: Path) -> str:
