@@ -252,12 +252,13 @@ def k8s_cmd(graph_file, engine_dir, preset_name, output):
 
 
 def _run_graph_command(fn):
+    from beam_trtllm.trtllm.errors import LlmArgsError
     from dynamo_graphs.graph import GraphError
     from dynamo_graphs.launch import LaunchError
 
     try:
         return fn()
-    except (GraphError, LaunchError, ConfigError) as exc:
+    except (GraphError, LaunchError, ConfigError, LlmArgsError) as exc:
         raise BeamCLIError(str(exc)) from exc
 
 

@@ -10,7 +10,8 @@ from click.testing import CliRunner
 from beam_trtllm.cli import main
 from beam_trtllm.config import preset
 from dynamo_graphs.graph import load_graph
-from dynamo_graphs.k8s import max_attention_window, render_dgd, trtllm_engine_args
+from beam_trtllm.trtllm.llm_args import max_attention_window
+from dynamo_graphs.k8s import render_dgd, trtllm_engine_args
 from helpers.openapi import validate
 
 GRAPHS = Path(__file__).resolve().parents[1] / "dynamo_graphs"
@@ -79,7 +80,7 @@ def test_trtllm_disagg_workers_get_beam_engine_args(tmp_path):
     by_name = {c["name"]: c for c in manifest["spec"]["components"]}
     for role in ("prefill", "decode"):
         main_c = by_name[role]["podTemplate"]["spec"]["containers"][0]
-        assert main_c["command"] == ["python3", "-m", "dynamo.trtllm"]
+        assert main_c["command"] == ["python3", "-m", "beam_trtllm.trtllm.dynamo_worker"]
         args = main_c["args"]
         assert args[args.index("--disaggregation-mode") + 1] == role
         engine = json.loads(args[args.index("--override-engine-args") + 1])
@@ -117,3 +118,13 @@ def test_cli_renders_yaml_and_reports_bad_input_without_traceback(tmp_path):
                                "--engine-dir", str(tmp_path / "missing")])
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert "config.json" in res.output and "--preset" in res.output
+
+
+def test_cli_names_a_trtllm_option_the_model_cannot_take(tmp_path):
+    graph = tmp_path / "g.yaml"
+    raw = yaml.safe_load((GRAPHS / "disagg.yaml").read_text())
+    raw.update(backend="trtllm", k8s={"tensor_parallel_size": 5})
+    graph.write_text(yaml.safe_dump(raw))
+    res = CliRunner().invoke(main, ["k8s", str(graph), "--preset", "beam-1.0-501b"])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert "tensor_parallel_size: 5 does not divide num_attention_heads (48)" in res.output
