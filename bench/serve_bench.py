@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import tempfile
@@ -77,38 +78,46 @@ def run_direct(engine, work: list[list[int]], concurrency: int, max_tokens: int)
 
 
 # --------------------------------------------------------------------------- through Dynamo
-async def _one(client, ids, max_tokens, rec):
-    stream = await client.completions.create(
-        model="beam", prompt=ids, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices:
-            rec["t_first"] = rec["t_first"] or now
-            rec["t_last"] = now
-        if chunk.usage is not None:
-            rec["n"] = chunk.usage.completion_tokens
+async def _one(session, url, ids, max_tokens, rec):
+    """One streamed completion; raw SSE lines (a light client, so that client-side parsing
+    does not count as server overhead on a 2-core machine)."""
+    body = {"model": "beam", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                rec["t_first"] = rec["t_first"] or now
+                rec["t_last"] = now
+            if chunk.get("usage"):
+                rec["n"] = chunk["usage"]["completion_tokens"]
 
 
 async def run_dynamo(url: str, work, concurrency: int, max_tokens: int) -> dict:
-    from openai import AsyncOpenAI
+    import aiohttp
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
     queue = list(work)
     records = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
 
-    async def slot():
-        while queue:
-            ids = queue.pop(0)
-            rec = {"t0": time.perf_counter(), "n": 0, "t_first": None, "t_last": None}
-            await _one(client, ids, max_tokens, rec)
-            rec["ttft"] = rec["t_first"] - rec["t0"]
-            records.append(rec)
+        async def slot():
+            while queue:
+                ids = queue.pop(0)
+                rec = {"t0": time.perf_counter(), "n": 0, "t_first": None, "t_last": None}
+                await _one(session, url, ids, max_tokens, rec)
+                rec["ttft"] = rec["t_first"] - rec["t0"]
+                records.append(rec)
 
-    t0 = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(slot() for _ in range(concurrency))), 1800)
-    wall = time.perf_counter() - t0
-    await client.close()
+        t0 = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(slot() for _ in range(concurrency))), 1800)
+        wall = time.perf_counter() - t0
     return summarize(records, wall)
 
 
@@ -165,12 +174,11 @@ def throughput(args, tokenizer) -> list[tuple]:
 
 
 async def _ttft(url, ids) -> float:
-    from openai import AsyncOpenAI
+    import aiohttp
 
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
     rec = {"t0": time.perf_counter(), "n": 0, "t_first": None, "t_last": None}
-    await _one(client, ids, 2, rec)
-    await client.close()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await _one(session, url, ids, 2, rec)
     return rec["t_first"] - rec["t0"]
 
 
@@ -214,8 +222,19 @@ def main() -> None:
     p.add_argument("--tier-repeats", type=int, default=3)
     p.add_argument("--host-mib", type=float, default=64)
     p.add_argument("--skip", choices=["throughput", "tier"], nargs="*", default=[])
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the direct engine and of every worker (same for all)")
     args = p.parse_args()
+    import os
+
+    import torch
+
     from beam_trtllm.tokenizer import TextTokenizer
+    from dynamo_graphs.launch import stop_on_sigterm
+
+    stop_on_sigterm()  # stop the graphs on `kill`, too
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every worker
+    torch.set_num_threads(args.threads)
 
     tokenizer = TextTokenizer(args.engine_dir)
     if "throughput" not in args.skip:

@@ -111,13 +111,21 @@ class EngineLoop:
             self._pending[p.request_id] = p
 
     def _deliver(self, outputs) -> None:
+        # One wake-up of each event loop per step, not one per token (the loop thread and this
+        # one share the GIL and, on small machines, the cores).
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             p = self._pending.get(out.request_id)
             if p is None:
                 continue  # aborted meanwhile
-            self._put(p, out)
+            batches.setdefault(p.loop, []).append((p.queue, out))
             if out.finished:
                 self._pending.pop(out.request_id, None)
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed: the worker is shutting down
+                pass
 
     def _finish(self, rid: str, item) -> None:
         p = self._pending.pop(rid, None)
@@ -134,6 +142,11 @@ class EngineLoop:
     @property
     def num_pending(self) -> int:
         return len(self._pending)
+
+
+def _put_all(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class RateLimiter:

@@ -129,7 +129,7 @@ class RunningGraph:
         proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=self.run_dir, start_new_session=True, text=True,
-                                errors="replace", bufsize=1)
+                                errors="replace", bufsize=1, preexec_fn=_die_with_parent)
         comp = Component(name, proc, log_path)
         comp.reader = threading.Thread(target=self._pump, args=(comp,), daemon=True,
                                        name=f"log-{name}")
@@ -227,12 +227,30 @@ class RunningGraph:
             return []
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies, however it dies (even
+    SIGKILL), so a graph never outlives the process that started it (Linux prctl)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, sig)  # the process and its children (its own session)
         except ProcessLookupError:
             pass
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (systemd, kubectl, kill) stops the graph like Ctrl-C (main thread only)."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def count_instances(discovery: Path, namespace: str) -> dict[str, int]:
@@ -280,7 +298,9 @@ def launch(graph: Graph, run_dir: str | Path | None = None, echo: TextIO | None 
 
 
 def serve_forever(running: RunningGraph, poll_s: float = 0.5) -> int:
-    """Block until Ctrl-C (exit 0) or until a component dies (exit 1); always stop all."""
+    """Block until Ctrl-C or SIGTERM (exit 0) or until a component dies (LaunchError);
+    always stop all."""
+    stop_on_sigterm()
     try:
         while True:
             running.check_alive()

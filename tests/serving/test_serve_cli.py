@@ -7,6 +7,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+import pytest
+
 from dynamo_graphs.demo_chat import chat, start_serve, wait_url
 from helpers.serving import GRAPHS, graph_from
 
@@ -37,16 +39,27 @@ def _serve(tmp_path, engine_dir):
     return proc, run_dir, url, tail
 
 
-def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path, engine_dir):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_serve_answers_and_stops_cleanly_on_ctrl_c_or_sigterm(tmp_path, engine_dir, stop):
     proc, run_dir, url, tail = _serve(tmp_path, engine_dir)
     try:
         assert chat(url, "hello", 6)
         assert any(line.startswith("[frontend] ") for line in tail)
         assert any(line.startswith("[backend-0] ") for line in tail)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         code = proc.wait(timeout=60)
     assert code == 0
+    assert _graph_processes(run_dir) == []
+
+
+def test_a_killed_launcher_takes_its_graph_with_it(tmp_path, engine_dir):
+    proc, run_dir, url, tail = _serve(tmp_path, engine_dir)
+    proc.kill()  # SIGKILL: no cleanup code runs in the launcher
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while _graph_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _graph_processes(run_dir) == []
 
 
