@@ -122,7 +122,7 @@ async def run_dynamo(url: str, work, concurrency: int, max_tokens: int) -> dict:
 
 
 def graph(name: str, engine_dir: Path, workers: list[dict], offload: dict | None = None):
-    raw = {"name": name, "engine_dir": str(engine_dir), "served_model_name": "beam",
+    raw = {"name": name, "engine_dir": str(Path(engine_dir).resolve()), "served_model_name": "beam",
            "frontend": {"http_port": 0, "router_mode": "kv"}, "workers": workers,
            "timeouts": {"startup_s": 300}}
     if offload:

@@ -275,8 +275,9 @@ def count_instances(discovery: Path, namespace: str) -> dict[str, int]:
 
 
 def launch(graph: Graph, run_dir: str | Path | None = None, echo: TextIO | None = sys.stdout,
-           progress: Callable[[str], None] | None = None) -> RunningGraph:
-    """Start every component of `graph` in parallel and wait until it serves."""
+           progress: Callable[[str], None] | None = None, wait: bool = True) -> RunningGraph:
+    """Start every component of `graph` in parallel and (unless `wait=False`, then call
+    `wait_ready()` later) wait until it serves."""
     run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix=f"beam-{graph.name}-"))
     for sub in ("discovery", "home", "logs", "offload", "status"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -290,7 +291,8 @@ def launch(graph: Graph, run_dir: str | Path | None = None, echo: TextIO | None 
             for i in range(spec.count):
                 argv = [sys.executable] + worker_argv(graph, spec, run_dir, i)
                 running.start_component(f"{spec.name}-{i}", argv)
-        running.wait_ready(progress)
+        if wait:
+            running.wait_ready(progress)
     except BaseException:
         running.stop()
         raise

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,6 +71,7 @@ class LoadReporter:
         self.extra = extra
         self.publisher = None
         self._last: str | None = None
+        self._last_write = 0.0
 
     def snapshot(self) -> dict[str, Any]:
         usage = self.engine.kv_usage()
@@ -88,11 +90,16 @@ class LoadReporter:
                 kv_used_blocks=snap["kv_used_blocks"], kv_total_blocks=snap["kv_total_blocks"],
                 gpu_cache_usage=snap["kv_used_blocks"] / total, dp_rank=0,
                 kv_cache_hit_rate=None))
-        self._write(snap)
+        # The file is for people and tests: at most 4 writes a second while busy, and at once
+        # when the engine goes idle (the state "all blocks free" is never stale).
+        idle = not (snap["num_running"] or snap["num_waiting"])
+        if idle or time.monotonic() - self._last_write >= 0.25:
+            self._write(snap)
 
     def _write(self, snap: dict[str, Any]) -> None:
         if self.status_file is None:
             return
+        self._last_write = time.monotonic()
         text = json.dumps(snap, sort_keys=True, default=str)
         if text == self._last:
             return

@@ -50,10 +50,20 @@ def graph_from(name, tmp_path, engine_dir, **edits):
     return load_graph(path, engine_dir=engine_dir)
 
 
-def launch_graph(name, edits, tmp_path_factory, engine_dir):
-    """Launch a shipped graph (with `edits` as dotted-path: value) on a free port."""
+def launch_graph(name, edits, tmp_path_factory, engine_dir, while_starting=None):
+    """Launch a shipped graph (with `edits` as dotted-path: value) on a free port; run
+    `while_starting()` (e.g. the in-process reference) while its processes boot."""
     tmp = tmp_path_factory.mktemp(name.split(".")[0])
-    return launch(graph_from(name, tmp, engine_dir, **edits), tmp / "run", echo=None)
+    running = launch(graph_from(name, tmp, engine_dir, **edits), tmp / "run", echo=None,
+                     wait=False)
+    try:
+        if while_starting is not None:
+            while_starting()
+        running.wait_ready()
+    except BaseException:
+        running.stop()
+        raise
+    return running
 
 
 def client(running, timeout=120):

@@ -13,8 +13,9 @@ from helpers.serving import (CHAT, EXTRA, PROMPTS, client, expect, launch_graph,
 
 
 @pytest.fixture(scope="module")
-def agg(tmp_path_factory, engine_dir):
-    running = launch_graph("agg.yaml", {"workers.0.count": 2}, tmp_path_factory, engine_dir)
+def agg(request, tmp_path_factory, engine_dir):
+    running = launch_graph("agg.yaml", {"workers.0.count": 2}, tmp_path_factory, engine_dir,
+                           while_starting=lambda: request.getfixturevalue("reference"))
     yield running
     running.stop()
 

@@ -16,11 +16,12 @@ BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def disagg(tmp_path_factory, engine_dir):
+def disagg(request, tmp_path_factory, engine_dir):
     edits = {"workers.1.count": 2, "timeouts.kv_handoff_ttl_s": 5.0,
              # 8 blocks of host memory, then disk: a 12-block prefix spills to both tiers
              "offload.host_mib": 8 * 6144 / 2**20, "offload.disk_mib": 1.0}
-    running = launch_graph("disagg_offload.yaml", edits, tmp_path_factory, engine_dir)
+    running = launch_graph("disagg_offload.yaml", edits, tmp_path_factory, engine_dir,
+                           while_starting=lambda: request.getfixturevalue("reference"))
     yield running
     running.stop()
 
