@@ -165,5 +165,60 @@ def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, to
     click.echo()
 
 
+@main.command("convert")
+@click.argument("in_dir", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--quant", required=True, help="Recipe: fp8, fp8-block, nvfp4, nvfp4-all, or a .yaml.")
+@click.option("--kv-cache", type=click.Choice(["fp8", "none"]), default="none", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["hf", "trtllm"]), default="hf", show_default=True,
+              help="hf: ModelOpt unified HF checkpoint; trtllm: rank{r}.safetensors per rank.")
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel ranks (--format trtllm).")
+@click.option("--ep", default=1, show_default=True, help="Expert-parallel ranks (divides --tp).")
+@click.option("--calib-data", default=None, help="Calibration text file, or 'none' for "
+              "weight-only scales. Default: the text shipped with beam-trt.")
+@click.option("--calib-samples", default=8, show_default=True)
+@click.option("--calib-seq-len", default=128, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--workers", default=None, type=int, help="Quantization threads (default: cores).")
+@click.option("--shard-size", "shard_size_mb", default=5000.0, show_default=True,
+              help="Max output shard size in MB (--format hf).")
+def convert_cmd(in_dir, out_dir, quant, kv_cache, fmt, tp, ep, calib_data, calib_samples,
+                calib_seq_len, device, workers, shard_size_mb):
+    """Quantize a BF16 Beam checkpoint to ModelOpt FP8 / NVFP4 (streamed, resumable)."""
+    import os
+
+    from convert import ConvertError
+    from convert.pipeline import ConvertOptions, convert
+
+    opts = ConvertOptions(quant, kv_cache, fmt, tp, ep, calib_data, calib_samples, calib_seq_len,
+                          device, workers or max(1, os.cpu_count() or 1), shard_size_mb)
+    try:
+        out = convert(in_dir, out_dir, opts)
+    except (ConvertError, ConfigError) as exc:
+        raise BeamCLIError(str(exc)) from exc
+    click.echo(f"wrote {out} ({quant}, {fmt}); check it with `beam-trt verify {out} --against {in_dir}`")
+
+
+@main.command("verify")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--against", "against", type=click.Path(path_type=Path), default=None,
+              help="The BF16 input: per-tensor dequantization error and logits KL / top-1.")
+@click.option("--max-model-gb", default=4.0, show_default=True,
+              help="Run the logits comparison only for models up to this size (BF16).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify_cmd(out_dir, against, max_model_gb, as_json):
+    """Check a converted checkpoint: hashes, dequantization error, logits against BF16."""
+    from convert import ConvertError
+    from convert.verification import format_report, verify
+
+    try:
+        report = verify(out_dir, against, max_model_gb)
+    except (ConvertError, ConfigError) as exc:
+        raise BeamCLIError(str(exc)) from exc
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    if not report["ok"]:
+        raise BeamCLIError(f"{out_dir}: verification failed: " + "; ".join(report["problems"][:5]))
+
+
 if __name__ == "__main__":
     main()

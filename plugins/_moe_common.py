@@ -259,9 +259,11 @@ def default_config(numel: int, num_experts: int, gated: bool, block_k: int = 128
     programs stream the 8 experts' weights at once. Prefill: 64/128-row blocks."""
     if numel <= DIRECT_MAX_PAIRS:
         return GemmConfig(16, 32 if gated else 64, block_k, 4, 4)
-    rows_per_expert = numel / num_experts
-    if rows_per_expert < 48:
-        return GemmConfig(32, 64, block_k, 4, 4)
+    rows_per_expert = numel / num_experts  # mean; padding wastes up to block_m - 1 per expert
+    if rows_per_expert < 8:
+        return GemmConfig(16, 32 if gated else 64, block_k, 4, 4)
+    if rows_per_expert < 96:
+        return GemmConfig(64, 64, block_k, 4, 4)
     return GemmConfig(128, 64 if gated else 128, block_k, 8, 3)
 
 

@@ -64,7 +64,8 @@ def _(x, weight, weight_scale, input_scale):
 def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                        stride_ws, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # FP8 x FP8 products summed in FP32, then * input_scale * weight_scale[n] (stride_ws = 0
+    # FP8 x FP8 products, promoted to FP32 every BLOCK_K (Hopper's FP8 MMA accumulates with
+    # reduced precision), then * input_scale * weight_scale[n] (stride_ws = 0
     # broadcasts a per-tensor weight scale).
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,7 +79,7 @@ def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, 
         k_mask = offs_k < K - k0
         a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     w_scale = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)

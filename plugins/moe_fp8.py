@@ -13,8 +13,9 @@ Inputs (repacked expert layout of docs/DESIGN.md §2):
     a2_scale   []         fp32            the layer's shared down_proj input_scale
 Output: a new [T, H] tensor in x.dtype (no `out=`; inputs are never written).
 
-Numerics: FP8 x FP8 products accumulate exactly in FP32 on the tensor cores and are scaled by
-a_scale * w_scale; gate, up, silu and h round to x.dtype (as the reference's modules do) before
+Numerics: FP8 x FP8 products are summed on the tensor cores, promoted to the FP32 accumulator
+every BLOCK_K (Hopper's FP8 MMA accumulates with reduced precision; Triton's default would
+never promote: max_num_imprecise_acc), and the FP32 sum is scaled by a_scale * w_scale; gate, up, silu and h round to x.dtype (as the reference's modules do) before
 h is quantized with a2_scale; y rounds to x.dtype; the combine is FP32.
 """
 
@@ -85,7 +86,7 @@ def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
                     stride_om, ACT: tl.constexpr, GATED: tl.constexpr, DIRECT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr):
-    # FP8 x FP8 on the tensor cores, exact products summed in FP32, then * a_scale * w_scale[n].
+    # FP8 x FP8 on the tensor cores, promoted to FP32 every BLOCK_K, then * a_scale * w_scale[n].
     # GATED: h = silu(gate) * up (rounded to ACT as the reference), stored as FP8 codes of
     # h / out_scale (the down projection's static input scale). Else y[slot] in out's dtype.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -106,9 +107,11 @@ def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b_mask = k_mask[:, None] & n_mask[None, :]
-        acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc)
+        acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc,
+                     max_num_imprecise_acc=BLOCK_K)
         if GATED:
-            acc_up = tl.dot(a, tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0), acc_up)
+            acc_up = tl.dot(a, tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0), acc_up,
+                            max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     a_scale = tl.load(a_scale_ptr)

@@ -156,7 +156,8 @@ def _gemm(a, a_s, w, ws, out, out_s, routing: Routing, numel, top_k, n, k, gated
 def block_configs(numel, e, config13, config2):
     c13, c2 = configs_for(numel, e, config13, config2)
     if config13 is None:  # gate/up tiles must cover whole 128-channel groups of h
-        c13 = dataclasses.replace(c13, block_n=FP8_BLOCK)
+        warps = 8 if c13.block_m >= 64 else c13.num_warps  # two 128-wide FP32 accumulators
+        c13 = dataclasses.replace(c13, block_n=FP8_BLOCK, num_warps=warps)
     return c13, c2
 
 

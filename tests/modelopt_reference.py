@@ -28,8 +28,9 @@ from beam_trtllm.config import BeamConfig
 from beam_trtllm.reference import BeamForCausalLM
 
 
-def modelopt_config(recipe: str, kv_fp8: bool) -> dict:
-    """The ModelOpt quant config that matches one of our recipes."""
+def modelopt_config(recipe: str, kv_fp8: bool, weight_only: bool = False) -> dict:
+    """The ModelOpt quant config that matches one of our recipes (weight-only: input quantizers
+    off, which turns NVFP4 into ModelOpt's W4A16_NVFP4)."""
     import modelopt.torch.quantization as mtq
 
     base = {
@@ -45,6 +46,8 @@ def modelopt_config(recipe: str, kv_fp8: bool) -> dict:
         for q in ("weight_quantizer", "input_quantizer"):
             entries.append({"quantizer_name": f"*self_attn.[qkvo]_proj.{q}", "cfg": dict(fp8)})
     entries.append({"quantizer_name": "*g_proj*", "enable": False})
+    if weight_only:
+        entries.append({"quantizer_name": "*input_quantizer", "enable": False})
     if kv_fp8:
         entries.extend(copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"]))
     return cfg
@@ -104,7 +107,8 @@ def build_shim(ckpt_dir: Path) -> ShimBeam:
 
 
 def modelopt_export(ckpt_dir: Path, out_dir: Path, recipe: str, kv_fp8: bool, batches) -> Path:
-    """Quantize the tiny reference with ModelOpt on `batches` (list of [B, T] ids) and export."""
+    """Quantize the tiny reference with ModelOpt on `batches` (list of [B, T] ids; None: weights
+    only, no forward pass) and export."""
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
@@ -115,7 +119,8 @@ def modelopt_export(ckpt_dir: Path, out_dir: Path, recipe: str, kv_fp8: bool, ba
             for ids in batches:
                 m(ids)
 
-    mtq.quantize(model, modelopt_config(recipe, kv_fp8), forward_loop)
+    cfg = modelopt_config(recipe, kv_fp8, weight_only=batches is None)
+    mtq.quantize(model, cfg, forward_loop if batches is not None else None)
     out_dir.mkdir(parents=True, exist_ok=True)
     export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(out_dir))
     return out_dir

@@ -1,0 +1,290 @@
+"""MoE and linear rows of the kernel benchmark at Beam-1.0 shapes (H=5120, I=2560, E=256, top-8).
+
+    PYTHONPATH=. python3 bench/kernels_moe.py [--preset beam-1.0-501b] [--out DIR] [--sweep]
+
+bench/kernels.py imports `run(ctx)` and prints these rows in its table; run alone, this script
+measures the same ceilings with bench/kernels.py's `measure_ceilings` and prints the same table.
+
+Weights: every expert drawn at N(0, 1/fan_in) and quantized with the converter's encoders
+(beam_trtllm.quant_formats), repacked as docs/DESIGN.md §2. Routing: the reference group router
+on random router weights and inputs (realistic spread over 256 experts in 8 groups).
+- decode (T tokens <= 64): timed as CUDA-graph replays (how the engine runs decode). Work =
+  bytes of the distinct selected experts' weights and scales; the floor is those bytes over
+  the measured copy bandwidth. Target: FP8 <= 1.3x floor, NVFP4 <= 1.5x floor at T=1.
+- prefill (T = 16384): eager launches. Work = 2*T*k*3*H*I FLOPs against the FP8 GEMM rate (FP8
+  formats) or the BF16 one. Target: FP8 >= 60% of the FP8 GEMM rate.
+Each row also checks the output against the op's ref_ at that shape (relative error and the
+TOLERANCES entry of tests/conftest.py), and the graph rows check that a captured graph replays
+correctly on new routing (no host syncs, no data-dependent shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "plugins"), str(ROOT / "bench")]
+
+import plugins  # noqa: E402,F401
+from _linear_testdata import linear_args  # noqa: E402
+from _moe_testdata import moe_args, pack_experts  # noqa: E402
+from beam_trtllm.config import preset  # noqa: E402
+from beam_trtllm.reference import route  # noqa: E402
+from conftest import TOLERANCES  # noqa: E402
+from plugins import linear_fp8, linear_fp8_block, linear_nvfp4  # noqa: E402
+from plugins import moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4  # noqa: E402
+from plugins._moe_common import GemmConfig  # noqa: E402
+
+DEV, BF16 = os.environ.get("BEAM_BENCH_DEVICE", "cuda"), torch.bfloat16
+MOE = {"fp8": moe_fp8, "nvfp4": moe_nvfp4, "fp8_block": moe_fp8_block, "bf16": moe_bf16}
+LINEAR = {"fp8": linear_fp8, "fp8_block": linear_fp8_block, "nvfp4": linear_nvfp4}
+TARGET_X_FLOOR = {"fp8": 1.3, "nvfp4": 1.5}
+H_AMAX = 8.0  # static down_proj input scale = H_AMAX / 448 (covers silu(g)*u of unit inputs)
+
+
+def experts(fmt: str, cfg, seed: int) -> dict:
+    """All E experts of one MoE layer in `fmt`, quantized one expert at a time on the GPU."""
+    e, h, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    parts = defaultdict(list)
+    for _ in range(e):
+        gate = (torch.randn(1, inner, h, generator=gen, device=DEV) * h**-0.5).to(BF16)
+        up = (torch.randn(1, inner, h, generator=gen, device=DEV) * h**-0.5).to(BF16)
+        down = (torch.randn(1, h, inner, generator=gen, device=DEV) * inner**-0.5).to(BF16)
+        for name, tensor in pack_experts(fmt, gate, up, down).items():
+            parts[name].append(tensor[0])
+    return {name: torch.stack(ts).contiguous() for name, ts in parts.items()}
+
+
+def expert_bytes(packed: dict, ids: torch.Tensor) -> int:
+    """Bytes of the distinct selected experts' weights and scales (what a step must read)."""
+    per_expert = sum(t[0].numel() * t.element_size() for t in packed.values() if t.dim() >= 1)
+    return per_expert * int(ids.unique().numel())
+
+
+def routing(cfg, t: int, seed: int):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    h, e = cfg.hidden_size, cfg.n_routed_experts
+    x = torch.randn(t, h, generator=gen, device=DEV).to(BF16)
+    weight = torch.randn(e, h, generator=gen, device=DEV) * h**-0.5
+    bias = torch.randn(e, generator=gen, device=DEV) * 0.1
+    ids, w = route(x, weight, bias, cfg)
+    return x, ids.to(torch.int32), w
+
+
+def check(ctx, fmt, got, want, what="moe") -> str:
+    """Relative error and whether the TOLERANCES entry of the CPU tests holds at this shape."""
+    key = "moe-fp8" if (what == "moe" and fmt.startswith("fp8")) else what
+    atol, rtol = TOLERANCES[(key, torch.bfloat16)]
+    ok = torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol)
+    return f"rel {ctx.rel_err(got, want):.1e} {'ok' if ok else 'OVER TOL'}"
+
+
+def graph_replays_new_routing(cfg, fmt, packed, scales, t) -> str:
+    """Capture the op once, then replay it on new x / routing copied into the same tensors."""
+    op = getattr(torch.ops.beam, f"moe_{fmt}")
+    x, ids, w = routing(cfg, t, seed=100)
+    static = [x.clone(), ids.clone(), w.clone()]
+    rest = moe_args(fmt, x, ids, w, packed, scales)[3:]
+    op(*static, *rest)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*static, *rest)
+    x2, ids2, w2 = routing(cfg, t, seed=101)
+    for dst, src in zip(static, (x2, ids2, w2)):
+        dst.copy_(src)
+    graph.replay()
+    return "graph ok" if torch.equal(out, op(x2, ids2, w2, *rest)) else "GRAPH MISMATCH"
+
+
+def bench_moe_format(ctx, fmt: str, tokens=(1, 16, 16384)) -> list[dict]:
+    cfg, ceil = ctx.cfg, ctx.ceilings
+    packed = experts(fmt, cfg, seed=1)
+    mod = MOE[fmt]
+    op, ref = getattr(torch.ops.beam, f"moe_{fmt}"), getattr(mod, f"ref_moe_{fmt}")
+    results = []
+    for t in tokens:
+        x, ids, w = routing(cfg, t, seed=t)
+        scales = {"a13_scale": (x.abs().amax().float() / 448).reshape(()),
+                  "a2_scale": torch.tensor(H_AMAX / 448, device=DEV)}
+        args = moe_args(fmt, x, ids, w, packed, scales)
+        status = check(ctx, fmt, op(*args), ref(*args))
+        eager = ctx.time_us(lambda: ref(*args))
+        shape = f"T={t} H={cfg.hidden_size} I={cfg.moe_intermediate_size} E={cfg.n_routed_experts} k=8"
+        if t <= 64:
+            ours = ctx.time_graph_us(lambda: op(*args))
+            launches = ctx.time_us(lambda: op(*args))
+            work = expert_bytes(packed, ids)
+            floor = work / ceil["copy_GBps"] / 1e3
+            status += ", " + graph_replays_new_routing(cfg, fmt, packed, scales, t)
+            note = f"graph replay; {ours / floor:.2f}x floor {floor:.1f} us; eager launches {launches:.1f} us"
+            if t == 1 and fmt in TARGET_X_FLOOR:
+                note += f"; target <= {TARGET_X_FLOOR[fmt]}x"
+            ctx.add_row(f"moe_{fmt} decode", shape, ours, eager, work, "GB/s", ceil["copy_GBps"],
+                        status, note)
+            results.append(dict(fmt=fmt, t=t, us=ours, floor_us=floor, x_floor=ours / floor))
+        else:
+            ours = ctx.time_us(lambda: op(*args))
+            flops = 2 * t * 8 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+            key = "fp8_TFLOPs" if fmt.startswith("fp8") else "bf16_TFLOPs"
+            note = f"vs {key[:-7].upper()} GEMM rate" + ("; target >= 60%" if fmt == "fp8" else "")
+            ctx.add_row(f"moe_{fmt} prefill", shape, ours, eager, flops, "TFLOP/s", ceil[key],
+                        status, note)
+            results.append(dict(fmt=fmt, t=t, us=ours, pct=100 * flops / ours / 1e6 / ceil[key]))
+    del packed
+    torch.cuda.empty_cache()
+    return results
+
+
+def kernel_breakdown(fmt: str, args, reps: int = 20) -> str:
+    """Per-kernel device time of one op call (torch.profiler), for the write-up."""
+    op = getattr(torch.ops.beam, f"moe_{fmt}")
+    op(*args)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            op(*args)
+        torch.cuda.synchronize()
+    totals = defaultdict(float)
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:  # kernels, not the ops above them
+            totals[evt.key[:48]] += evt.device_time_total / reps
+    return ", ".join(f"{name} {us:.1f}" for name, us in sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def bench_linear(ctx, tokens=(1, 16384)) -> None:
+    cfg, ceil = ctx.cfg, ctx.ceilings
+    n = cfg.q_size + 2 * cfg.kv_size + cfg.num_attention_heads  # packed q, k, v, gate
+    variants = [("fp8", {}), ("fp8", {"use_scaled_mm": False}), ("fp8_block", {}), ("nvfp4", {})]
+    for t in tokens:
+        x = torch.randn(t, cfg.hidden_size, device=DEV).to(BF16)
+        for fmt, extra in variants:
+            mod = LINEAR[fmt]
+            args = linear_args(fmt, x.cpu(), n, seed=0)
+            args = tuple(a.to(DEV) for a in args)
+            fast = getattr(mod, f"linear_{fmt}_triton")
+            ref = getattr(mod, f"ref_linear_{fmt}")
+            status = check(ctx, fmt, fast(*args, **extra), ref(*args), what="linear")
+            name = f"linear_{fmt}" + (" (triton)" if extra else " (_scaled_mm)" if fmt == "fp8" else "")
+            timer = ctx.time_graph_us if t == 1 else ctx.time_us
+            ours = timer(lambda: fast(*args, **extra))
+            eager = timer(lambda: ref(*args))
+            if t == 1:
+                work = sum(a.numel() * a.element_size() for a in args[1:])
+                ctx.add_row(name, f"T=1 [{cfg.hidden_size} -> {n}]", ours, eager, work, "GB/s",
+                            ceil["copy_GBps"], status, "graph replay")
+            else:
+                key = "fp8_TFLOPs" if fmt.startswith("fp8") else "bf16_TFLOPs"
+                ctx.add_row(name, f"T={t} [{cfg.hidden_size} -> {n}]", ours, eager,
+                            2 * t * n * cfg.hidden_size, "TFLOP/s", ceil[key], status, f"vs {key[:-7]}")
+
+
+def sweep(ctx, fmt: str, t: int) -> list[tuple]:
+    """Time the op over launch shapes of the gate/up GEMM (down fixed), then of the down GEMM
+    (gate/up at its best); both share block_m (one token sort)."""
+    cfg = ctx.cfg
+    packed = experts(fmt, cfg, seed=1)
+    x, ids, w = routing(cfg, t, seed=t)
+    scales = {"a13_scale": (x.abs().amax().float() / 448).reshape(()),
+              "a2_scale": torch.tensor(H_AMAX / 448, device=DEV)}
+    args = moe_args(fmt, x, ids, w, packed, scales)
+    launch = getattr(MOE[fmt], f"moe_{fmt}_triton")
+    decode = t <= 64
+    timer = ctx.time_graph_us if decode else ctx.time_us
+    if decode:
+        grid13 = [GemmConfig(16, bn, bk, 4, ns) for bn in (16, 32, 64) for bk in (128, 256)
+                  for ns in (3, 5)]
+        down = [(bn, bk, 4, ns) for bn in (32, 64, 128) for bk in (128, 256) for ns in (3, 5)]
+        default2 = (64, 128, 4, 4)
+    else:
+        grid13 = [GemmConfig(bm, bn, bk, 8, ns) for bm in (64, 128) for bn in (64, 128)
+                  for bk in (64, 128) for ns in (3, 4)]
+        down = [(bn, bk, 8, ns) for bn in (128, 256) for bk in (64, 128) for ns in (3, 4)]
+        default2 = (128, 128, 8, 3)
+    found, best13 = [], None
+    for stage in ("gate/up", "down"):
+        pairs = ([(c, GemmConfig(c.block_m, *default2)) for c in grid13] if stage == "gate/up"
+                 else [(best13, GemmConfig(best13.block_m, *d)) for d in down])
+        results = []
+        for c13, c2 in pairs:
+            try:
+                us = timer(lambda: launch(*args, config13=c13, config2=c2))
+            except Exception as exc:  # out of shared memory / registers: report, go on
+                print(f"  sweep {fmt} T={t} {stage} {c13} {c2}: {type(exc).__name__}", flush=True)
+                continue
+            results.append((us, c13, c2))
+        results.sort(key=lambda r: r[0])
+        best13 = results[0][1]
+        for us, c13, c2 in results[:4]:
+            print(f"  sweep {fmt} T={t} {stage}: {us:8.1f} us  gate/up {c13}  down {c2}", flush=True)
+        found += [(stage,) + r for r in results]
+    print(f"  breakdown {fmt} T={t} (us per call): {kernel_breakdown(fmt, args)}", flush=True)
+    return found
+
+
+def run(ctx, sweep_too: bool = False) -> dict:
+    """Entry point for bench/kernels.py (ctx: cfg, ceilings, time_us, time_graph_us, add_row,
+    rel_err)."""
+    out = {"moe": [], "sweep": [], "failed": []}
+    steps = [(f"moe_{fmt}", bench_moe_format, (fmt,)) for fmt in MOE]
+    steps.append(("linear", bench_linear, ()))
+    if sweep_too:
+        steps += [(f"sweep {fmt} T={t}", sweep, (fmt, t)) for fmt, t in
+                  (("fp8", 1), ("nvfp4", 1), ("fp8", 16384))]
+    for name, fn, args in steps:
+        try:
+            result = fn(ctx, *args)
+        except Exception:  # one broken step must not hide the others' numbers: report it
+            traceback.print_exc()
+            print(f"FAILED: {name}", flush=True)
+            out["failed"].append(name)
+            continue
+        if name.startswith("moe_"):
+            out["moe"] += result
+        elif name.startswith("sweep"):
+            out["sweep"] += [(name, s, us, str(a), str(b)) for s, us, a, b in result]
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    import json
+    import time
+    from types import SimpleNamespace
+
+    import kernels as kb  # bench/kernels.py: ceilings, timers, table
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="beam-1.0-501b")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes")
+    opts = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels_moe.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | preset {opts.preset}",
+          flush=True)
+    ceil = kb.measure_ceilings()
+    print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
+    ctx = SimpleNamespace(cfg=preset(opts.preset), ceilings=ceil, time_us=kb.time_us,
+                          time_graph_us=kb.time_graph_us, add_row=kb.add_row, rel_err=kb.rel_err)
+    out = run(ctx, sweep_too=opts.sweep)
+    kb.print_table(ceil)
+    print(f"total {time.time() - t0:.0f} s")
+    if opts.out:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        (opts.out / "moe_results.json").write_text(json.dumps(
+            dict(ceilings=ceil, rows=kb.ROWS, **out, device=torch.cuda.get_device_name()),
+            indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

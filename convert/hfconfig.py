@@ -1,0 +1,111 @@
+"""`hf_quant_config.json` and `config.json["quantization_config"]` as ModelOpt 0.47 writes them.
+
+Rules (observed on ModelOpt's own exports of the tiny Beam, tests/test_convert_modelopt.py):
+- one format for every quantized Linear: `quant_algo` is that format ("FP8", "NVFP4" +
+  group_size 16, "W4A16_NVFP4", "fp8_pb_wo" in lower case), and `exclude_modules` lists the
+  unquantized modules that ModelOpt sees (Linears left in BF16, the embedding, the MoE routers)
+  summarised with prefix wildcards where no quantized module matches them, sorted;
+- several formats: "MIXED_PRECISION" with one `quantized_layers` entry per Linear in module
+  order, and no `exclude_modules` at all (`ignore: []` in config.json);
+- `kv_cache_quant_algo` "FP8" with FP8 KV, else null; config.json's copy is the
+  compressed-tensors style dict of `convert_hf_quant_config_format`.
+"""
+
+from __future__ import annotations
+
+from .plan import Plan
+
+MODELOPT_VERSION = "0.47.0"
+LAYER_CONFIG = {
+    "fp8": {"quant_algo": "FP8"},
+    "nvfp4": {"quant_algo": "NVFP4", "group_size": 16},
+    "w4a16_nvfp4": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
+    "fp8_pb_wo": {"quant_algo": "fp8_pb_wo"},
+}
+_FP8_GROUP = {"input_activations": {"dynamic": False, "num_bits": 8, "type": "float"},
+              "weights": {"dynamic": False, "num_bits": 8, "type": "float"}}
+
+
+def _fp4_group(weights_only: bool, group_size: int) -> dict:
+    w = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": group_size}
+    return {"weights": w} if weights_only else {"input_activations": dict(w), "weights": w}
+
+
+def _group_config(algo: str, group_size: int | None) -> dict | None:
+    if algo == "FP8":
+        return {k: dict(v) for k, v in _FP8_GROUP.items()}
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        return _fp4_group(algo == "W4A16_NVFP4", group_size or 16)
+    return None
+
+
+def summarize_excludes(excluded: list[str], quantized: list[str]) -> list[str]:
+    """Prefix-wildcard summary of `excluded`: the shortest `prefix*` (cut at a dot), or
+    `prefix.*`, that matches no quantized module; else the exact name. Sorted."""
+    blocked = set(quantized)  # patterns that would also match a quantized module
+    for q in quantized:
+        blocked.update(q[:i] + "*" for i in range(len(q) + 1))
+    chosen: set[str] = set()
+    for name in excluded:
+        options = []
+        for i, ch in enumerate(name):
+            if ch == ".":
+                options += [[name[:i] + "*"], [name[:i], name[:i] + ".*"]]
+        options.append([name])
+        for option in options:
+            if any(p in blocked for p in option):
+                continue
+            if not all(p in chosen for p in option):
+                chosen.update(option[1:] if len(option) == 2 else option)
+            break
+    return sorted(chosen)
+
+
+def hf_quant_config(plan: Plan) -> dict:
+    excluded, layers = ["model.embed_tokens"], {}
+    for module, fmt in plan.formats.items():
+        if fmt == "none":
+            excluded.append(module)
+        else:
+            layers[module] = dict(LAYER_CONFIG[fmt])
+    excluded += [f"model.layers.{i}.mlp.gate" for i in plan.cfg.moe_layers]
+    quant: dict = {"quant_algo": None, "kv_cache_quant_algo": None}
+    kinds = {str(c) for c in layers.values()}
+    if len(kinds) > 1:
+        quant["quant_algo"] = "MIXED_PRECISION"
+        quant["quantized_layers"] = layers
+    elif layers:
+        quant.update(next(iter(layers.values())))
+        quant["exclude_modules"] = summarize_excludes(excluded, list(layers))
+    if plan.kv_fp8:
+        quant["kv_cache_quant_algo"] = "FP8"
+    return {"producer": {"name": "modelopt", "version": MODELOPT_VERSION}, "quantization": quant}
+
+
+def quantization_config(hf_quant: dict) -> dict:
+    """config.json's `quantization_config` (ModelOpt's convert_hf_quant_config_format)."""
+    q = hf_quant["quantization"]
+    algo, out = q.get("quant_algo"), {}
+    if algo == "MIXED_PRECISION":
+        by_config: dict[tuple, list[str]] = {}
+        for layer, cfg in q["quantized_layers"].items():
+            by_config.setdefault(tuple(sorted(cfg.items())), []).append(layer)
+        groups = {}
+        for i, (key, names) in enumerate(by_config.items()):
+            cfg = dict(key)
+            group = _group_config(cfg["quant_algo"], cfg.get("group_size")) or {}
+            group["targets"] = sorted(names)
+            groups[f"group_{i}"] = group
+        out["config_groups"] = groups
+        out["quantized_layers"] = q["quantized_layers"]
+    elif (group := _group_config(algo, q.get("group_size"))) is not None:
+        group["targets"] = ["Linear"]
+        out["config_groups"] = {"group_0": group}
+    out["ignore"] = q.get("exclude_modules") or []
+    if algo:
+        out["quant_algo"] = algo
+    if q.get("kv_cache_quant_algo") == "FP8":
+        out["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    out["producer"] = hf_quant["producer"]
+    out["quant_method"] = "modelopt"
+    return out

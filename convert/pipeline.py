@@ -1,0 +1,239 @@
+"""`beam-trt convert`: read -> quantize -> shard -> write, one unit at a time, resumable.
+
+    units (plan) --read+hash--> input tensors --quantize--> output tensors --shard+write--> files
+
+Reading and quantizing run in `workers` threads (numba and torch release the GIL) over a
+bounded, ordered window of units, so at most 2 * workers units are in memory; the writer
+consumes them in plan order. Peak RSS: the largest units in flight (one tensor or one fused
+group each), plus one decoder layer and one expert during calibration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .calib_data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, load_calib_tokens
+from .calibrate import Calibration, calibrate
+from .errors import ConvertError
+from .hfconfig import hf_quant_config, quantization_config
+from .inputs import SIDE_FILES, InputCheckpoint
+from .manifest import MANIFEST, write_manifest
+from .outputs import STATE, Writer, hf_layout, trtllm_layout, write_index
+from .plan import make_plan
+from .quantize import quantize_unit
+from .recipe import load_recipe
+from .shard import check_mapping
+from .trtllm import trtllm_config
+
+CALIB_STATE = ".convert-calibration.json"
+COMMIT_BYTES, COMMIT_SECONDS = 256 << 20, 2.0
+
+
+@dataclass
+class ConvertOptions:
+    quant: str
+    kv_cache: str = "none"  # "fp8" | "none"
+    fmt: str = "hf"  # "hf" | "trtllm"
+    tp: int = 1
+    ep: int = 1
+    calib_data: str | None = None  # None: the shipped text; "none": weight-only
+    calib_samples: int = DEFAULT_SAMPLES
+    calib_seq_len: int = DEFAULT_SEQ_LEN
+    device: str = "cpu"
+    workers: int = max(1, os.cpu_count() or 1)
+    shard_size_mb: float = 5000.0
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _check_dirs(src: InputCheckpoint, out_dir: Path) -> None:
+    out = out_dir.resolve()
+    if out == src.dir.resolve():
+        raise ConvertError(f"OUT_DIR {out_dir} is the input directory; the input is never overwritten")
+    for f in src.files:
+        if f.resolve().parent == out:
+            raise ConvertError(f"OUT_DIR {out_dir} holds input file {f.name}; choose another OUT_DIR")
+    if (out_dir / MANIFEST).exists():
+        raise ConvertError(f"{out_dir} already holds a finished conversion ({MANIFEST}); "
+                           "verify it with `beam-trt verify` or remove it first")
+
+
+def _calibration_tokens(src: InputCheckpoint, opts: ConvertOptions):
+    if opts.calib_data == "none" or opts.calib_samples == 0:
+        return None, "no calibration data (--calib-data none / --calib-samples 0)"
+    if opts.calib_data is None and not (src.dir / "tokenizer.json").is_file():
+        return None, f"{src.dir} has no tokenizer.json to tokenize the calibration text"
+    return load_calib_tokens(src.dir, opts.calib_data, opts.calib_samples, opts.calib_seq_len), ""
+
+
+def _plan_hash(src, opts, plan, files, tokens) -> str:
+    key = {"options": asdict(opts) | {"workers": None}, "recipe": plan.recipe.to_json(),
+           "input": src.fingerprint(), "config": src.config_json,
+           "calib": None if tokens is None else tokens.sha256,
+           "files": [[f.name, [[n, str(w), str(d), list(s)] for n, w, d, s in f.specs]] for f in files]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _run_calibration(src, plan, tokens, out_dir: Path, resuming: bool, device) -> Calibration:
+    path = out_dir / CALIB_STATE
+    if resuming and path.is_file():
+        _log("calibration: reusing the amax values of the interrupted run")
+        return Calibration.from_json(json.loads(path.read_text()))
+    _log(f"calibration: {tokens.ids.shape[0]} x {tokens.ids.shape[1]} tokens from {tokens.source}, "
+         "one layer at a time")
+    calib = calibrate(src.cfg, src.read, tokens.ids, device=device, log=_log)
+    _atomic_text(path, json.dumps(calib.to_json()))
+    return calib
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _side_files(src: InputCheckpoint, out_dir: Path, plan, opts, mapping) -> list[str]:
+    hfq = hf_quant_config(plan)
+    config = dict(src.config_json)
+    if opts.fmt == "trtllm":
+        config = trtllm_config(src.config_json, src.cfg, hfq, mapping)
+    else:
+        config["quantization_config"] = quantization_config(hfq)
+    _atomic_text(out_dir / "config.json", json.dumps(config, indent=4))
+    _atomic_text(out_dir / "hf_quant_config.json", json.dumps(hfq, indent=4))
+    written = ["config.json", "hf_quant_config.json"]
+    for name in SIDE_FILES[1:]:
+        if (src.dir / name).is_file():
+            shutil.copyfile(src.dir / name, out_dir / (name + ".tmp"))
+            os.replace(out_dir / (name + ".tmp"), out_dir / name)
+            written.append(name)
+    for name in ("tokenizer.json", "generation_config.json"):
+        if name not in written:
+            _log(f"warning: {src.dir} has no {name}; the output cannot be served without it")
+    return written
+
+
+def _read_unit(src: InputCheckpoint, unit):
+    tensors, h = {}, hashlib.sha256()
+    for name in unit.inputs:
+        t = src.read(name)
+        h.update(name.encode())
+        h.update(hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).digest())
+        tensors[name] = t
+    return tensors, h.hexdigest()
+
+
+def _ordered(fn, items, workers: int):
+    """map(fn, items) over `workers` threads, in order, at most 2 * workers results pending."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="beam-convert") as pool:
+        window: deque = deque()
+        for item in items:
+            window.append(pool.submit(fn, item))
+            if len(window) >= 2 * workers:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+
+def _stream(src, plan, writer: Writer, calib, opts) -> None:
+    from tqdm import tqdm
+
+    todo = list(range(writer.next_unit, len(plan.units)))
+    size = lambda u: sum(src.nbytes(n) for n in plan.units[u].inputs)  # noqa: E731
+    total = sum(size(u) for u in range(len(plan.units)))
+    throttle = float(os.environ.get("BEAM_TRT_CONVERT_THROTTLE_S", "0"))  # tests of resume
+    threads = 1 if opts.workers > 1 else max(1, os.cpu_count() or 1)
+
+    def work(u):
+        tensors, digest = _read_unit(src, plan.units[u])
+        out = quantize_unit(plan.units[u], tensors, calib, opts.device, threads)
+        return u, dict(out), digest
+
+    bar = tqdm(total=total, initial=total - sum(size(u) for u in todo), unit="B",
+               unit_scale=True, desc=f"convert {opts.quant}", file=sys.stderr, mininterval=0.5,
+               smoothing=0.1)
+    since, last = 0, time.monotonic()
+    try:
+        for u, out, digest in _ordered(work, todo, opts.workers):
+            writer.write_unit(u, out, digest)
+            bar.update(size(u))
+            since += sum(t.numel() * t.element_size() for t in out.values())
+            if throttle:
+                time.sleep(throttle)
+            if since >= COMMIT_BYTES or time.monotonic() - last >= COMMIT_SECONDS:
+                writer.commit()
+                since, last = 0, time.monotonic()
+    finally:
+        bar.close()
+    writer.commit()
+
+
+def convert(in_dir: str | Path, out_dir: str | Path, opts: ConvertOptions) -> Path:
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit must raise EFBIG, not kill the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise ConvertError("--device cuda: no CUDA device is available")
+    src, out_dir = InputCheckpoint(in_dir), Path(out_dir)
+    _check_dirs(src, out_dir)
+    recipe = load_recipe(opts.quant)
+    mapping = check_mapping(src.cfg, opts.tp, opts.ep) if opts.fmt == "trtllm" else None
+    if opts.fmt == "hf" and (opts.tp, opts.ep) != (1, 1):
+        raise ConvertError("--tp/--ep shard the `trtllm` layout; add --format trtllm")
+    tokens, why = _calibration_tokens(src, opts)
+    if tokens is None:
+        _log(f"WARNING: {why}: writing WEIGHT-ONLY scales (no input_scale; NVFP4 becomes "
+             "W4A16_NVFP4; no k/v scales, so FP8 KV runs with scale 1.0)")
+    plan = make_plan(src.cfg, recipe, tokens is not None, opts.kv_cache == "fp8")
+    outs = [u.outputs for u in plan.units]
+    files = (trtllm_layout(outs, src.cfg, mapping) if mapping
+             else hf_layout(outs, int(opts.shard_size_mb * 1_000_000)))
+    plan_hash = _plan_hash(src, opts, plan, files, tokens)
+    resuming = _prepare_out_dir(out_dir, plan_hash)
+    calib = _run_calibration(src, plan, tokens, out_dir, resuming, opts.device) if tokens else None
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, opts.workers)))
+    writer = Writer(out_dir, files, plan_hash, fresh=not resuming)
+    try:
+        if resuming:
+            _log(f"resuming at unit {writer.next_unit}/{len(plan.units)}")
+        _stream(src, plan, writer, calib, opts)
+    finally:
+        writer.close()
+    side = _side_files(src, out_dir, plan, opts, mapping)
+    if mapping is None:
+        write_index(out_dir, files)
+    write_manifest(out_dir, src, plan, opts, files, writer, side, tokens, calib, why, mapping)
+    src.close()
+    return out_dir
+
+
+def _prepare_out_dir(out_dir: Path, plan_hash: str) -> bool:
+    """True when resuming an interrupted run of the same plan."""
+    state = out_dir / STATE
+    if state.is_file():
+        try:
+            old = json.loads(state.read_text())["plan_hash"]
+        except (ValueError, KeyError) as exc:
+            raise ConvertError(f"{state}: unreadable resume journal ({exc}); remove {out_dir}") from exc
+        if old != plan_hash:
+            raise ConvertError(f"{out_dir} holds an interrupted conversion of other inputs or "
+                               "options; rerun the same command to resume, or remove it")
+        return True
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return False

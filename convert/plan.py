@@ -1,0 +1,146 @@
+"""The conversion plan: every output tensor (name, dtype, shape) and the work units that make them.
+
+Known before any tensor is read, so output headers can be written first and a killed run can
+resume at a unit boundary. A unit is one input tensor copied as is, or a group of Linears that
+ModelOpt quantizes together:
+- NVFP4 (and W4A16 NVFP4): Linears that read the same input share `weight_scale_2` (the max of
+  their amax) and `input_scale`: q/k/v of a layer, gate/up of the dense MLP and of each expert
+  (ModelOpt's `preprocess_linear_fusion`). FP8 per tensor: never fused.
+- fp8_pb_wo: ModelOpt fuses the group too, but its rule only acts when the first member's
+  weight is a single 128x128 block (`amax.numel() == 1`); for any larger weight nothing is
+  shared. Replicated here so even the tiny model matches byte for byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from beam_trtllm.checkpoint import expected_tensors
+from beam_trtllm.config import BeamConfig
+from beam_trtllm.quant_formats import FP8_BLOCK, NVFP4_BLOCK
+
+from .errors import ConvertError
+from .recipe import WEIGHT_ONLY, Recipe
+
+F32, U8, FP8 = torch.float32, torch.uint8, torch.float8_e4m3fn
+FUSES = {"nvfp4", "w4a16_nvfp4", "fp8_pb_wo"}
+ACT_SCALED = {"fp8", "nvfp4"}  # formats whose Linears carry an input_scale when calibrated
+
+
+@dataclass
+class Unit:
+    kind: str  # "copy" | "linear" | "kv"
+    inputs: list[str]  # input tensor names read by the unit
+    modules: list[str] = field(default_factory=list)  # Linear modules (kind "linear")
+    fmt: str = "none"
+    outputs: list[tuple[str, torch.dtype, tuple[int, ...]]] = field(default_factory=list)
+    layer: int = -1
+
+    @property
+    def fused(self) -> bool:
+        return len(self.modules) > 1
+
+
+@dataclass
+class Plan:
+    cfg: BeamConfig
+    recipe: Recipe
+    formats: dict[str, str]  # every Linear module -> effective format
+    units: list[Unit]
+    calibrated: bool
+    kv_fp8: bool
+
+    @property
+    def outputs(self):
+        return [o for u in self.units for o in u.outputs]
+
+
+def linear_modules(cfg: BeamConfig) -> dict[str, tuple[int, int]]:
+    """Linear module name -> weight shape, in checkpoint (= module) order."""
+    return {n[: -len(".weight")]: shape for n, (shape, _) in expected_tensors(cfg).items()
+            if n.endswith("_proj.weight") or n == "lm_head.weight"}
+
+
+def _groups(cfg: BeamConfig) -> list[list[str]]:
+    """Linears that read one input tensor (what ModelOpt's dummy forward finds)."""
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out.append([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"])
+        if cfg.is_moe(i):
+            out += [[f"{p}mlp.experts.{e}.gate_proj", f"{p}mlp.experts.{e}.up_proj"]
+                    for e in range(cfg.n_routed_experts)]
+        else:
+            out.append([p + "mlp.gate_proj", p + "mlp.up_proj"])
+    return out
+
+
+def _fused_groups(formats, shapes, groups) -> dict[str, list[str]]:
+    """first member -> group, for groups whose format shares scales."""
+    fused = {}
+    for group in groups:
+        group = [m for m in group if formats[m] != "none"]  # unquantized members never fuse
+        fmts = {formats[m] for m in group}
+        if len(fmts) > 1:
+            raise ConvertError(f"recipe gives {', '.join(group)} different formats ({sorted(fmts)}); "
+                               "Linears that share an input must share a format (ModelOpt fuses them)")
+        if len(group) < 2 or (fmt := fmts.pop()) not in FUSES:
+            continue
+        n, k = shapes[group[0]]
+        if fmt == "fp8_pb_wo" and (n > FP8_BLOCK or k > FP8_BLOCK):
+            continue
+        fused[group[0]] = group
+    return fused
+
+
+def linear_outputs(module: str, fmt: str, shape, dtype, calibrated: bool):
+    n, k = shape
+    w = module + ".weight"
+    if fmt == "none":
+        return [(w, dtype, (n, k))]
+    if fmt in ("nvfp4", "w4a16_nvfp4"):
+        if k % NVFP4_BLOCK:
+            raise ConvertError(f"tensor {w}: NVFP4 needs the input dim to be a multiple of "
+                               f"{NVFP4_BLOCK}, it is {k}")
+        outs = [(w, U8, (n, k // 2)), (module + ".weight_scale", FP8, (n, k // NVFP4_BLOCK)),
+                (module + ".weight_scale_2", F32, ())]
+    elif fmt == "fp8":
+        outs = [(w, FP8, (n, k)), (module + ".weight_scale", F32, ())]
+    else:  # fp8_pb_wo: ModelOpt keeps the block-amax dims; one block -> 0-d
+        nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+        scale_shape = () if nb * kb == 1 else (nb, 1, kb, 1)
+        outs = [(w, FP8, (n, k)), (module + ".weight_scale", F32, scale_shape)]
+    if calibrated and fmt in ACT_SCALED:
+        outs.append((module + ".input_scale", F32, ()))
+    return outs
+
+
+def make_plan(cfg: BeamConfig, recipe: Recipe, calibrated: bool, kv_fp8: bool) -> Plan:
+    shapes = linear_modules(cfg)
+    formats = {m: recipe.format_of(m) for m in shapes}
+    if not calibrated:
+        formats = {m: WEIGHT_ONLY[f] for m, f in formats.items()}
+    fused = _fused_groups(formats, shapes, _groups(cfg))
+    member_of = {m: g[0] for g in fused.values() for m in g}
+    units: list[Unit] = []
+    for name, (shape, dtype) in expected_tensors(cfg).items():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        module = name[: -len(".weight")]
+        if module not in shapes:
+            units.append(Unit("copy", [name], outputs=[(name, dtype, shape)], layer=layer))
+            continue
+        lead = member_of.get(module, module)
+        if lead != module:
+            continue  # emitted with its group's first member
+        group = fused.get(module, [module])
+        unit = Unit("linear", [m + ".weight" for m in group], group, formats[module], layer=layer)
+        for m in group:
+            unit.outputs += linear_outputs(m, formats[m], shapes[m], dtype, calibrated)
+        units.append(unit)
+        if kv_fp8 and calibrated and module.endswith("self_attn.q_proj"):
+            p = module[: -len("q_proj")]
+            units.append(Unit("kv", [], outputs=[(p + "k_proj.k_scale", F32, ()),
+                                                 (p + "v_proj.v_scale", F32, ())], layer=layer))
+    return Plan(cfg, recipe, formats, units, calibrated, kv_fp8)
