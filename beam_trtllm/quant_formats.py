@@ -120,7 +120,13 @@ def quantize_fp8(weight: torch.Tensor, amax: torch.Tensor | None = None):
     """
     amax = _abs_max(weight) if amax is None else amax
     scale = torch.tensor(float(amax) / FP8_MAX, dtype=torch.float32)
-    return (weight / scale.to(weight.device)).to(torch.float8_e4m3fn), scale
+    if weight.device.type == "cpu":
+        # CPU kernel: x / scale in FP32 with the full-precision scalar, rounded to x's dtype
+        q = weight / scale
+    else:
+        # the same math spelled out: on CUDA a 0-d device scale would be cast to BF16 first
+        q = (weight.float() / scale.to(weight.device)).to(weight.dtype)
+    return q.to(torch.float8_e4m3fn), scale
 
 
 def fp8_block_amax(weight: torch.Tensor) -> torch.Tensor:

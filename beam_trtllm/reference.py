@@ -31,7 +31,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
     """cos, sin of shape [..., head_dim] (FP32) for rotate-half (NeoX) RoPE over all dims."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = theta ** (-exponents / head_dim)
     angles = positions.to(torch.float64)[..., None] * inv_freq  # float64: exact at 1M positions
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()

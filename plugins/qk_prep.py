@@ -17,7 +17,7 @@ Hkv and D come from the cache and the norm weight; Hq from qkvg's width.
 Contract: returns four new tensors and mutates k_cache / v_cache (only the slots >= 0).
 Matches `reference.BeamAttention.project` (rms_norm, apply_rope, ssmax_scale). RoPE angles and
 the SSMax scale are computed in float64 like the reference, so they stay exact at 1M
-positions. CUDA-graph safe.
+positions (the angle is reduced to [-pi, pi] in float64 before an FP32 cos/sin). CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -91,49 +91,66 @@ def _rms_halves(x1, x2, w1, w2, eps, D: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rotation(pos_ptr, t, d, IS_FULL: tl.constexpr, D: tl.constexpr, ln_theta_hi, ln_theta_lo,
+              two_pi_hi, two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo):
+    """(cos, sin) [1, BLOCK_D2] of token t's RoPE angles; on full layers (scale, 0), so that
+    `x1 * cos - x2 * sin` is exactly the SSMax-scaled x1."""
+    pos = tl.load(pos_ptr + t).to(tl.float64)
+    if IS_FULL:
+        ratio = pos * _f64(inv_base_hi, inv_base_lo)
+        scale = tl.exp(_f64(exp_hi, exp_lo) * tl.log(1.0 + ratio)).to(tl.float32)
+        cos = tl.zeros(d.shape, tl.float32) + scale
+        sin = tl.zeros(d.shape, tl.float32)
+    else:
+        # inv_freq_i = theta^(-2i/D); angles in FP64 as the reference computes them
+        inv_freq = tl.exp(-(2.0 * d.to(tl.float64) / D) * _f64(ln_theta_hi, ln_theta_lo))
+        angle = pos * inv_freq
+        # Reduce to [-pi, pi] in FP64, then FP32 cos/sin (abs. error ~2e-7): FP64 cos/sin cost
+        # ~100 more registers per thread and spilled.
+        two_pi = _f64(two_pi_hi, two_pi_lo)
+        turns = (angle / two_pi + 0.5).to(tl.int64).to(tl.float64)  # angle >= 0: trunc = floor
+        reduced = (angle - turns * two_pi).to(tl.float32)
+        cos = tl.cos(reduced)
+        sin = tl.sin(reduced)
+    return cos, sin
+
+
+@triton.jit
 def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
                     q_ptr, k_ptr, v_ptr, g_ptr, stride_t, block_size, stride_blk, stride_row,
-                    stride_head, eps, ln_theta_hi, ln_theta_lo, inv_base_hi, inv_base_lo,
-                    exp_hi, exp_lo, IS_FULL: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                    D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                    BLOCK_D2: tl.constexpr):
+                    stride_head, eps, ln_theta_hi, ln_theta_lo, two_pi_hi, two_pi_lo,
+                    inv_base_hi, inv_base_lo, exp_hi, exp_lo, IS_FULL: tl.constexpr,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QH: tl.constexpr,
+                    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D2: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     D2: tl.constexpr = D // 2
     dtype = q_ptr.dtype.element_ty
     row = qkvg_ptr + t * stride_t
     d = tl.arange(0, BLOCK_D2)[None, :]
-    hq = tl.arange(0, BLOCK_HQ)[:, None]
-    hk = tl.arange(0, BLOCK_HKV)[:, None]
-    mq = (hq < HQ) & (d < D2)
-    mk = (hk < HKV) & (d < D2)
-    q1 = tl.load(row + hq * D + d, mask=mq, other=0.0).to(tl.float32)
-    q2 = tl.load(row + hq * D + D2 + d, mask=mq, other=0.0).to(tl.float32)
-    k1 = tl.load(row + HQ * D + hk * D + d, mask=mk, other=0.0).to(tl.float32)
-    k2 = tl.load(row + HQ * D + hk * D + D2 + d, mask=mk, other=0.0).to(tl.float32)
+    cos, sin = _rotation(pos_ptr, t, d, IS_FULL, D, ln_theta_hi, ln_theta_lo, two_pi_hi,
+                         two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo)
     qw1 = tl.load(qw_ptr + d, mask=d < D2, other=0.0).to(tl.float32)
     qw2 = tl.load(qw_ptr + D2 + d, mask=d < D2, other=0.0).to(tl.float32)
+    for h0 in tl.static_range(0, HQ, QH):  # QH query heads at a time bounds register use
+        hq = h0 + tl.arange(0, QH)[:, None]
+        mq = (hq < HQ) & (d < D2)
+        q1 = tl.load(row + hq * D + d, mask=mq, other=0.0).to(tl.float32)
+        q2 = tl.load(row + hq * D + D2 + d, mask=mq, other=0.0).to(tl.float32)
+        q1, q2 = _rms_halves(q1, q2, qw1, qw2, eps, D, dtype)
+        out_q = q_ptr + t * HQ * D + hq * D + d
+        tl.store(out_q, cast_rne(q1 * cos - q2 * sin, dtype), mask=mq)
+        tl.store(out_q + D2, cast_rne(q2 * cos + q1 * sin, dtype), mask=mq)
+    hk = tl.arange(0, BLOCK_HKV)[:, None]
+    mk = (hk < HKV) & (d < D2)
+    k1 = tl.load(row + HQ * D + hk * D + d, mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(row + HQ * D + hk * D + D2 + d, mask=mk, other=0.0).to(tl.float32)
     kw1 = tl.load(kw_ptr + d, mask=d < D2, other=0.0).to(tl.float32)
     kw2 = tl.load(kw_ptr + D2 + d, mask=d < D2, other=0.0).to(tl.float32)
-    q1, q2 = _rms_halves(q1, q2, qw1, qw2, eps, D, dtype)
     k1, k2 = _rms_halves(k1, k2, kw1, kw2, eps, D, dtype)
-    pos = tl.load(pos_ptr + t).to(tl.float64)
-    if IS_FULL:
-        ratio = pos * _f64(inv_base_hi, inv_base_lo)
-        scale = tl.exp(_f64(exp_hi, exp_lo) * tl.log(1.0 + ratio)).to(tl.float32)
-        q1, q2 = q1 * scale, q2 * scale
-    else:
-        # inv_freq_i = theta^(-2i/D); angles in FP64 as the reference computes them
-        inv_freq = tl.exp(-(2.0 * d.to(tl.float64) / D) * _f64(ln_theta_hi, ln_theta_lo))
-        angle = pos * inv_freq
-        cos = tl.cos(angle).to(tl.float32)
-        sin = tl.sin(angle).to(tl.float32)
-        q1, q2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
+    if not IS_FULL:  # NoPE layers leave k as normed
         k1, k2 = k1 * cos - k2 * sin, k2 * cos + k1 * sin
         k1 = cast_rne(k1, dtype).to(tl.float32)
         k2 = cast_rne(k2, dtype).to(tl.float32)
-    out_q = q_ptr + t * HQ * D + hq * D + d
-    tl.store(out_q, cast_rne(q1, dtype), mask=mq)
-    tl.store(out_q + D2, cast_rne(q2, dtype), mask=mq)
     out_k = k_ptr + t * HKV * D + hk * D + d
     tl.store(out_k, k1.to(dtype), mask=mk)  # k1, k2 already hold dtype values
     tl.store(out_k + D2, k2.to(dtype), mask=mk)
@@ -172,9 +189,10 @@ def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_ca
         qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping, k_scale,
         v_scale, q, k, v, gate, qkvg.stride(0), k_cache.shape[1], k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), eps, *f64_pair(math.log(rope_theta)),
+        *f64_pair(2 * math.pi),
         *f64_pair(1.0 / ssmax_base), *f64_pair(ssmax_exponent), IS_FULL=is_full, HQ=hq,
-        HKV=hkv, D=d, BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv),
-        BLOCK_D2=next_pow2(d // 2), num_warps=4)
+        HKV=hkv, D=d, QH=min(16, next_pow2(hq)), BLOCK_HQ=next_pow2(hq),
+        BLOCK_HKV=next_pow2(hkv), BLOCK_D2=next_pow2(d // 2), num_warps=4)
     return q, k, v, gate
 
 

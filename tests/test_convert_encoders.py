@@ -122,3 +122,17 @@ def test_compiled_amax_and_non_finite():
     assert torch.isinf(quant_cpu.bf16_abs_max(w))
     w[17, 5] = float("nan")
     assert torch.isnan(quant_cpu.bf16_abs_max(w))
+
+
+def test_fp8_spelled_out_division_is_the_cpu_kernel():
+    """The CUDA branch of quantize_fp8 spells the CPU kernel's math out (FP32 division by the
+    full-precision scale, then rounding to BF16) because CUDA would first round a 0-d device
+    scale to BF16; on the CPU both spellings must give the same bytes (ties included)."""
+    for seed, w in enumerate([fp8_boundary_weight(130, 300, 3), _random(257, 80, 11, scale=3.0)]):
+        _, scale = qf.quantize_fp8(w)
+        fast = (w / scale).to(torch.float8_e4m3fn)
+        spelled = (w.float() / scale).to(BF16).to(torch.float8_e4m3fn)
+        assert torch.equal(fast.view(torch.uint8), spelled.view(torch.uint8)), seed
+        if scale.to(BF16).float() != scale:  # a BF16-rounded scale (what CUDA would use) differs
+            rounded = (w / scale.to(BF16)).to(torch.float8_e4m3fn)
+            assert not torch.equal(fast.view(torch.uint8), rounded.view(torch.uint8))

@@ -1,0 +1,282 @@
+"""Beam for TensorRT-LLM's PyTorch backend: `BeamForCausalLM`, registered on import.
+
+Follows docs/ARCHITECTURE.md. Importing this module needs TensorRT-LLM (and Triton, for the
+`beam::` ops); without it the import fails at once with one MissingPackageError naming it.
+Written against the TRT-LLM 1.2 / 1.3 PyTorch-backend API (docs/TRTLLM.md lists the files and
+what could not be verified here).
+
+Data flow of one decoder layer, with x the normed input of the next sublayer and h the stream:
+
+    y     = self_attn(x)                                  TRT-LLM paged (VSWA) attention
+    h, x  = beam::add_rmsnorm(h, y, w_post_attn*b_2i, w_pre_ffn, a_2i, 1, eps)
+    y     = mlp(x)                                        GatedMLP, or FP32 gate + fused MoE
+    h, x  = beam::add_rmsnorm(h, y, w_post_ffn*b_2i+1, w_next_pre, a_2i+1, 1, eps)
+
+Residual coefficients (h = a_k*h + b_k*post_norm(y), a_k, b_k from BeamConfig.residual_coeffs):
+- b_k is folded into the post-norm weight at load time: b*RMSNorm(y; w) = RMSNorm(y; b*w),
+  because RMSNorm multiplies its weight in after normalising (ResidualScaledRMSNorm).
+- a_k cannot be folded into TRT-LLM's fused residual RMSNorm (`RMSNorm(x, residual)` returns
+  `x + residual` with unit coefficients and has no operand to scale the residual), nor into any
+  weight: it scales the stream itself. Moving it into the weights would mean carrying
+  h / prod(a) instead of h, which changes what is rounded to BF16 at every boundary and so
+  drifts from the reference. The boundary is therefore the `beam::add_rmsnorm` op, which does
+  post-norm, a*h + y and the next pre-norm in one pass with the reference's roundings.
+"""
+
+from __future__ import annotations
+
+from .errors import TRTLLM_HINT, TrtllmAdapterError, require
+
+require("tensorrt_llm", "beam_trtllm.trtllm.modeling_beam", TRTLLM_HINT)
+
+# TensorRT-LLM imports come after the check above, on purpose (a clear error instead of a
+# traceback from deep inside an import chain).
+from typing import Any, Optional  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tensorrt_llm._torch.attention_backend import AttentionMetadata  # noqa: E402
+from tensorrt_llm._torch.attention_backend.interface import PredefinedAttentionMask  # noqa: E402
+from tensorrt_llm._torch.distributed import AllReduce  # noqa: E402
+from tensorrt_llm._torch.model_config import ModelConfig  # noqa: E402
+from tensorrt_llm._torch.models.modeling_deepseekv3 import DeepseekV3Gate  # noqa: E402
+from tensorrt_llm._torch.models.modeling_utils import (  # noqa: E402
+    DecoderModel, DecoderModelForCausalLM, register_auto_model)
+from tensorrt_llm._torch.modules.decoder_layer import DecoderLayer  # noqa: E402
+from tensorrt_llm._torch.modules.embedding import Embedding  # noqa: E402
+from tensorrt_llm._torch.modules.fused_moe import create_moe  # noqa: E402
+from tensorrt_llm._torch.modules.gated_mlp import GatedMLP  # noqa: E402
+from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode  # noqa: E402
+from tensorrt_llm._torch.modules.qk_norm_attention import QKNormRoPEAttention  # noqa: E402
+from tensorrt_llm._torch.modules.rms_norm import RMSNorm  # noqa: E402
+from tensorrt_llm._torch.utils import AuxStreamType  # noqa: E402
+from tensorrt_llm.mapping import Mapping  # noqa: E402
+from torch import nn  # noqa: E402
+
+import plugins  # noqa: E402,F401  (registers torch.ops.beam.*)
+
+from . import hf_weight_mapper  # noqa: E402,F401  (registers the "HF" mapper for Beam)
+from .configuration_beam import BeamHfConfig, beam_config, register_hf_config  # noqa: E402
+from .weight_mapper import fold_residual_scale, plan_weights  # noqa: E402
+
+register_hf_config()
+
+
+def apply_head_gate(attn: torch.Tensor, gate_logits: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """o_h * sigmoid(g_h): one FP32 sigmoid scalar per head and token, before o_proj."""
+    t = attn.shape[0]
+    gate = torch.sigmoid(gate_logits[:t].float())
+    return (attn.view(t, num_heads, -1).float() * gate[..., None]).to(attn.dtype).view(t, -1)
+
+
+class BeamAttention(QKNormRoPEAttention):
+    """GQA with per-head Q/K RMSNorm, NeoX RoPE on sliding layers (window passed per call, so
+    TRT-LLM's VSWA cache keeps only the window), SSMax query scale on full (NoPE) layers, and
+    a per-head scalar sigmoid gate from g_proj.
+
+    Both layer kinds are built without TRT-LLM positional embedding (`pos_embd_params=None`,
+    `skip_rope=True`): `apply_rope` does norm + RoPE or SSMax itself through `beam::qk_prep`,
+    which matches the reference bit for bit (RoPE angles in FP64, exact at 1M positions)."""
+
+    def __init__(self, model_config: ModelConfig[BeamHfConfig], layer_idx: int):
+        pc = model_config.pretrained_config
+        self.beam = cfg = beam_config(pc)
+        self.is_full = cfg.is_full(layer_idx)
+        self.attention_window_size = None if self.is_full else cfg.sliding_window
+        super().__init__(
+            hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            max_position_embeddings=cfg.max_position_embeddings, bias=False,
+            pos_embd_params=None, skip_rope=True, fuse_qk_norm_rope=False, layer_idx=layer_idx,
+            dtype=pc.torch_dtype, dense_bias=False, config=model_config, rope_fusion=False)
+        # Column-parallel like q_proj: rank r gets the gate logits of its own query heads.
+        self.g_proj = Linear(
+            cfg.hidden_size, cfg.num_attention_heads, bias=False, dtype=pc.torch_dtype,
+            mapping=Mapping(world_size=self.tp_size, tp_size=self.tp_size, rank=self.tp_rank),
+            tensor_parallel_mode=TensorParallelMode.COLUMN,
+            quant_config=model_config.get_quant_config(),
+            skip_create_weights_in_init=model_config.skip_create_weights_in_init)
+        # qk_prep can also write a cache; TRT-LLM owns the cache here, so every slot is -1 and
+        # these 1-row stand-ins are never read or written (their contents do not matter).
+        shape = (1, 1, self.num_key_value_heads, self.head_dim)
+        self.register_buffer("_k_unused", torch.empty(shape, dtype=pc.torch_dtype), False)
+        self.register_buffer("_v_unused", torch.empty(shape, dtype=pc.torch_dtype), False)
+        self.register_buffer("_unit_scale", torch.ones((), dtype=torch.float32), False)
+
+    def _use_quantize_output(self) -> bool:
+        # The gate multiplies the attention output before o_proj, so the attention kernel must
+        # not emit an FP8/NVFP4 tensor pre-scaled for o_proj: o_proj quantizes its own input.
+        return False
+
+    def apply_rope(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                   position_ids: torch.Tensor):
+        """`q` is this rank's packed [q | k | v | g] projection (k, v None; see forward).
+        Returns normed q, k (RoPE'd on sliding layers, q SSMax-scaled on full ones) and v."""
+        t = q.shape[0]
+        slots = torch.full((t,), -1, dtype=torch.int64, device=q.device)
+        c = self.beam
+        q, k, v, _ = torch.ops.beam.qk_prep(
+            q, position_ids.reshape(-1)[:t], self.q_norm.weight, self.k_norm.weight,
+            self._k_unused, self._v_unused, slots, self._unit_scale, self._unit_scale,
+            self.is_full, c.rms_norm_eps, c.rope_theta, c.ssmax_base, c.ssmax_exponent)
+        return q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)
+
+    def forward(self, position_ids: Optional[torch.IntTensor], hidden_states: torch.Tensor,
+                attn_metadata: AttentionMetadata,
+                attention_mask=PredefinedAttentionMask.CAUSAL, all_reduce_params=None,
+                lora_params: Optional[dict] = None, **kwargs: Any) -> torch.Tensor:
+        if lora_params:
+            raise TrtllmAdapterError("LoRA is not supported by the Beam TRT-LLM model")
+        gate_logits = self.g_proj(hidden_states)
+        qkvg = torch.cat([self.qkv_proj(hidden_states), gate_logits], dim=-1)
+        q, k, v = self.apply_rope(qkvg, None, None, position_ids)
+        q, k, v = self.convert_qkv(q, k, v)
+        attn = self.forward_impl(q, k, v, attn_metadata, attention_mask,
+                                 self.attention_window_size, None, mrope_config=None)
+        attn = apply_head_gate(attn, gate_logits, self.num_heads)
+        return self.o_proj(attn, all_reduce_params=all_reduce_params, layer_idx=self.layer_idx)
+
+
+class BeamGate(DeepseekV3Gate):
+    """DeepSeek-V3 group router with an FP32 weight and bias, logits computed in FP32.
+
+    TRT-LLM's routing (sigmoid, +bias for selection, top-2 sum per group, top topk_group
+    groups, top-k, renormalised unbiased weights * routed_scaling_factor) is Beam's router;
+    only the logits GEMM is replaced: TRT-LLM's dsv3_router_gemm_op takes BF16 activations,
+    and the spec upcasts x and keeps W in FP32."""
+
+    def __init__(self, model_config: ModelConfig[BeamHfConfig]):
+        cfg = beam_config(model_config.pretrained_config)
+        if model_config.moe_backend.upper() == "TRTLLM":
+            raise TrtllmAdapterError(
+                "moe_backend TRTLLM stores the router bias in BF16; Beam's router is FP32 "
+                "(use moe_config.backend CUTLASS, CUTEDSL or DEEPGEMM)")
+        if not cfg.norm_topk_prob:
+            raise TrtllmAdapterError("norm_topk_prob false: TRT-LLM's DeepSeek-V3 routing "
+                                     "always renormalises the top-k weights")
+        super().__init__(cfg.hidden_size, cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
+                         n_group=cfg.n_group, topk_group=cfg.topk_group,
+                         routed_scaling_factor=cfg.routed_scaling_factor, dtype=torch.float32,
+                         fuse_routing_kernel=True, apply_routing=False,
+                         moe_backend=model_config.moe_backend)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden_states.float(), self.weight.float())
+
+
+class BeamMoE(nn.Module):
+    """Routed experts only: no shared expert (so not Deepseekv3MoE, which always builds one)."""
+
+    def __init__(self, model_config: ModelConfig[BeamHfConfig], layer_idx: int, aux_stream_dict):
+        super().__init__()
+        cfg = beam_config(model_config.pretrained_config)
+        self.gate = BeamGate(model_config)
+        self.experts = create_moe(
+            routing_method=self.gate.routing_method, num_experts=cfg.n_routed_experts,
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
+            dtype=model_config.pretrained_config.torch_dtype, reduce_results=False,
+            model_config=model_config, aux_stream_dict=aux_stream_dict, layer_idx=layer_idx)
+        mapping = model_config.mapping
+        self.allreduce = None
+        if not mapping.enable_attention_dp and mapping.tp_size > 1:
+            self.allreduce = AllReduce(mapping=mapping, strategy=model_config.allreduce_strategy)
+
+    def forward(self, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        out = self.experts(x, self.gate(x), all_rank_num_tokens=attn_metadata.all_rank_num_tokens,
+                           use_dp_padding=False)
+        return self.allreduce(out) if self.allreduce is not None else out
+
+
+class ResidualScaledRMSNorm(RMSNorm):
+    """A post-norm whose weight holds b_k * w (FP32): see the module docstring."""
+
+    def __init__(self, hidden_size: int, eps: float, residual_scale: float):
+        super().__init__(hidden_size=hidden_size, eps=eps, dtype=torch.float32)
+        self.residual_scale = residual_scale
+
+    def load_weights(self, weights: list[dict], **kwargs: Any) -> None:
+        self.weight.data.copy_(fold_residual_scale(weights[0]["weight"][:], self.residual_scale))
+
+
+class BeamDecoderLayer(DecoderLayer):
+
+    def __init__(self, model_config: ModelConfig[BeamHfConfig], layer_idx: int, aux_stream_dict):
+        super().__init__()
+        cfg = beam_config(model_config.pretrained_config)
+        h, self.eps, dtype = cfg.hidden_size, cfg.rms_norm_eps, model_config.pretrained_config.torch_dtype
+        (self.a_attn, b_attn), (self.a_ffn, b_ffn) = (cfg.residual_coeffs(2 * layer_idx),
+                                                      cfg.residual_coeffs(2 * layer_idx + 1))
+        self.layer_idx, self.is_moe = layer_idx, cfg.is_moe(layer_idx)
+        self.input_layernorm = RMSNorm(hidden_size=h, eps=self.eps, dtype=dtype)
+        self.self_attn = BeamAttention(model_config, layer_idx)
+        self.post_attention_layernorm = ResidualScaledRMSNorm(h, self.eps, b_attn)
+        self.pre_feedforward_layernorm = RMSNorm(hidden_size=h, eps=self.eps, dtype=dtype)
+        if self.is_moe:
+            self.mlp = BeamMoE(model_config, layer_idx, aux_stream_dict)
+        else:
+            self.mlp = GatedMLP(hidden_size=h, intermediate_size=cfg.intermediate_size, bias=False,
+                                dtype=dtype, config=model_config, layer_idx=layer_idx)
+        self.post_feedforward_layernorm = ResidualScaledRMSNorm(h, self.eps, b_ffn)
+
+    def forward(self, position_ids: torch.IntTensor, hidden_states: torch.Tensor,
+                attn_metadata: AttentionMetadata, residual: Optional[torch.Tensor] = None,
+                next_norm_weight: Optional[torch.Tensor] = None, **kwargs: Any):
+        """hidden_states: this layer's input_layernorm output; residual: the stream h.
+        Returns (the next layer's normed input, or the final-normed output; the new stream)."""
+        y = self.self_attn(position_ids=position_ids, hidden_states=hidden_states,
+                           attn_metadata=attn_metadata)
+        h, x = torch.ops.beam.add_rmsnorm(residual, y, self.post_attention_layernorm.weight,
+                                          self.pre_feedforward_layernorm.weight, self.a_attn, 1.0,
+                                          self.eps)
+        y = self.mlp(x, attn_metadata) if self.is_moe else self.mlp(x)
+        return torch.ops.beam.add_rmsnorm(h, y, self.post_feedforward_layernorm.weight,
+                                          next_norm_weight, self.a_ffn, 1.0, self.eps)[::-1]
+
+
+class BeamModel(DecoderModel):
+
+    def __init__(self, model_config: ModelConfig[BeamHfConfig]):
+        super().__init__(model_config)
+        cfg = self.beam = beam_config(model_config.pretrained_config)
+        dtype = model_config.pretrained_config.torch_dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                      mapping=model_config.mapping,
+                                      tensor_parallel_mode=TensorParallelMode.COLUMN,
+                                      gather_output=True)
+        # One stream per kind the fused-MoE backends may ask for (overlap of chunked MoE etc.).
+        aux_streams = {kind: torch.cuda.Stream() for kind in AuxStreamType}
+        self.layers = nn.ModuleList(BeamDecoderLayer(model_config, i, aux_streams)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    def forward(self, attn_metadata: AttentionMetadata, input_ids: Optional[torch.IntTensor] = None,
+                position_ids: Optional[torch.IntTensor] = None,
+                inputs_embeds: Optional[torch.FloatTensor] = None, **kwargs: Any) -> torch.Tensor:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = torch.ops.beam.rmsnorm(h, self.layers[0].input_layernorm.weight, self.beam.rms_norm_eps)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            # The last boundary's "next pre-norm" is the final norm, so x leaves the loop normed.
+            nxt = self.norm.weight if i == last else self.layers[i + 1].input_layernorm.weight
+            x, h = layer(position_ids=position_ids, hidden_states=x, attn_metadata=attn_metadata,
+                         residual=h, next_norm_weight=nxt)
+        return x
+
+
+@register_auto_model("BeamForCausalLM")
+class BeamForCausalLM(DecoderModelForCausalLM[BeamModel, BeamHfConfig]):
+
+    def __init__(self, model_config: ModelConfig[BeamHfConfig]):
+        cfg = beam_config(model_config.pretrained_config)
+        super().__init__(BeamModel(model_config), config=model_config,
+                         hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
+
+    def load_weights(self, weights, weight_mapper=None, *args: Any, **kwargs: Any):
+        # TRT-LLM's loader ignores tensors no module asks for and leaves parameters without a
+        # tensor at their init values; check the names first so a renamed or missing tensor is
+        # an error naming it (a partial load only checks that every name is a Beam tensor).
+        cfg = beam_config(self.model_config.pretrained_config)
+        plan_weights(cfg, weights.keys(), complete=not kwargs.get("allow_partial_loading", False))
+        return super().load_weights(weights, weight_mapper, *args, **kwargs)
