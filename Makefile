@@ -41,6 +41,14 @@ demo: $(STAMP)
 	$(BIN)/beam-trt info $(DEMO)/tiny --context 4096
 	$(BIN)/beam-trt generate $(DEMO)/tiny --chat --max-new-tokens 24 \
 	    --prompt "Write a function that adds two numbers."
+	$(BIN)/beam-trt build $(DEMO)/tiny $(DEMO)/tiny-engine --max-seq-len 512 --block-size 16
+	$(BIN)/beam-trt generate $(DEMO)/tiny-engine --chat --max-new-tokens 24 \
+	    --prompt "Write a function that adds two numbers."
+	$(BIN)/beam-trt convert $(DEMO)/tiny $(DEMO)/tiny-nvfp4 --quant nvfp4 \
+	    --calib-samples 4 --calib-seq-len 64
+	$(BIN)/beam-trt build $(DEMO)/tiny-nvfp4 $(DEMO)/tiny-nvfp4-engine --max-seq-len 512 --block-size 16
+	$(BIN)/beam-trt generate $(DEMO)/tiny-nvfp4-engine --chat --max-new-tokens 24 \
+	    --prompt "Write a function that adds two numbers."
 
 clean:
 	rm -rf $(VENV) out
