@@ -17,6 +17,7 @@ ceilings are measured first (device copy, dense BF16 / FP8 GEMMs), as METHOD.md 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -289,6 +290,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001  (report every format even if one fails)
             traceback.print_exc()
             results.append({"format": fmt, "error": f"{type(exc).__name__}: {exc}"})
+        gc.collect()  # the format's engine (40 GB of FP8 weights) goes before the next one
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if out:
