@@ -197,15 +197,13 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
     decode = t <= 64
     timer = ctx.time_graph_us if decode else ctx.time_us
     if decode:  # weights on the MMA's M side (swap); block_n >= 64 (one warpgroup's M)
-        grid13 = [GemmConfig(16, bn, bk, 4, ns, swap=True) for bn in (64, 128) for bk in (128, 256)
-                  for ns in (3, 5)]
-        down = [(bn, bk, 4, ns, 8, True) for bn in (64, 128) for bk in (128, 256) for ns in (3, 5)]
+        grid13 = [GemmConfig(16, bn, bk, 4, 4, swap=True) for bn in (64, 128) for bk in (128, 256)]
+        down = [(bn, bk, 4, 4, 8, True) for bn in (64, 128) for bk in (128, 256)]
         default2 = (64, 128, 4, 4, 8, True)
     else:
         grid13 = [GemmConfig(*c) for c in ((128, 64, 128, 8, 3), (128, 64, 128, 8, 4),
-                                           (128, 128, 64, 8, 3), (64, 64, 128, 4, 4),
-                                           (128, 64, 64, 8, 4), (128, 128, 128, 8, 3, 8, True))]
-        down = [(128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 4, 4)]
+                                           (128, 128, 64, 8, 3), (128, 128, 128, 8, 3, 8, True))]
+        down = [(128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)]
         default2 = (128, 128, 8, 3)
     found, best13 = [], None
     for stage in ("gate/up", "down"):
