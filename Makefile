@@ -41,11 +41,11 @@ demo: $(STAMP)
 	$(BIN)/beam-trt info $(DEMO)/tiny --context 4096
 	$(BIN)/beam-trt generate $(DEMO)/tiny --chat --max-new-tokens 24 \
 	    --prompt "Write a function that adds two numbers."
+	$(BIN)/beam-trt convert $(DEMO)/tiny $(DEMO)/tiny-nvfp4 --quant nvfp4 --kv-cache fp8
+	$(BIN)/beam-trt verify $(DEMO)/tiny-nvfp4 --against $(DEMO)/tiny
 	$(BIN)/beam-trt build $(DEMO)/tiny $(DEMO)/tiny-engine --max-seq-len 512 --block-size 16
 	$(BIN)/beam-trt generate $(DEMO)/tiny-engine --chat --max-new-tokens 24 \
 	    --prompt "Write a function that adds two numbers."
-	$(BIN)/beam-trt convert $(DEMO)/tiny $(DEMO)/tiny-nvfp4 --quant nvfp4 \
-	    --calib-samples 4 --calib-seq-len 64
 	$(BIN)/beam-trt build $(DEMO)/tiny-nvfp4 $(DEMO)/tiny-nvfp4-engine --max-seq-len 512 --block-size 16
 	$(BIN)/beam-trt generate $(DEMO)/tiny-nvfp4-engine --chat --max-new-tokens 24 \
 	    --prompt "Write a function that adds two numbers."

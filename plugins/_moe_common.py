@@ -72,20 +72,29 @@ def ref_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    quant13: Callable[[torch.Tensor], torch.Tensor] = lambda a: a,
-    quant2: Callable[[torch.Tensor], torch.Tensor] = lambda a: a,
+    quant13: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    quant2: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """reference.py's BeamMoE.forward given the routing: `expert(e)` returns that expert's
-    (w13 [2I, H], w2 [H, I]) dequantized to x.dtype; quant13 / quant2 are what the kernel's
-    activation quantizer does to the GEMM inputs (identity for BF16 and W4A16)."""
+    """reference.py's BeamMoE.forward given the routing; `expert(e)` returns that expert's
+    (w13 [2I, H], w2 [H, I]).
+
+    Unquantized (no quantizers, weights in x.dtype): BeamMoE op for op. Quantized formats
+    (weights decoded to FP32, quant13 / quant2 = the kernel's activation quantizers, identity
+    for W4A16): the GEMMs run in FP32 on the exactly decoded values, as the tensor cores do,
+    and every module output (gate, up, silu, h, y) is rounded to x.dtype as in BeamMoE. With
+    FP32 activations this is BeamMoE on the decoded weights exactly; with BF16 it differs from
+    a BF16 BeamMoE only by BeamMoE's own rounding of the decoded weights to BF16."""
+    quantized = quant13 is not None
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
         w13, w2 = expert(e)
         inner = w13.shape[0] // 2
-        xe = quant13(x[token])
-        h = F.silu(F.linear(xe, w13[:inner])) * F.linear(xe, w13[inner:])
-        y = F.linear(quant2(h), w2)
+        xe = quant13(x[token].float()) if quantized else x[token]
+        gate = F.linear(xe, w13[:inner]).to(x.dtype)
+        up = F.linear(xe, w13[inner:]).to(x.dtype)
+        h = F.silu(gate) * up
+        y = F.linear(quant2(h.float()) if quantized else h, w2).to(x.dtype)
         out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
     return out.to(x.dtype)
 
@@ -216,6 +225,57 @@ def silu_mul(gate, up, dtype: tl.constexpr):
     return round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
 
 
+@triton.jit
+def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def mma(acc, a, w, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ w^T (a [BM, BK] tokens, w [BN, BK] weights; acc [BM, BN]), or with SWAP
+    acc + w @ a^T (acc [BN, BM]): the weights fill the MMA's 64-row M side, so a block of a
+    few tokens (decode) still runs on full tensor-core tiles fed from shared memory."""
+    if SWAP:
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def mma_fp8(acc, a, w, SWAP: tl.constexpr, PROMOTE: tl.constexpr):
+    """`mma` for FP8 operands; the tensor-core partial sums are promoted to the FP32
+    accumulator every PROMOTE (= BLOCK_K) products (Hopper's FP8 MMA accumulates with reduced
+    precision, and Triton's default would never promote)."""
+    if SWAP:
+        acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
+    return acc
+
+
+@triton.jit
+def outer(row_scale, col_scale, SWAP: tl.constexpr):
+    """row_scale [BM] x col_scale [BN] in the accumulator's orientation."""
+    if SWAP:
+        out = col_scale[:, None] * row_scale[None, :]
+    else:
+        out = row_scale[:, None] * col_scale[None, :]
+    return out
+
+
+@triton.jit
+def unswap(acc, SWAP: tl.constexpr):
+    """The accumulator as [BM, BN] (tokens x channels) for the epilogue."""
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
+
+
 # ---------------------------------------------------------------------------- combine
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr):
@@ -246,22 +306,24 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, t: int) -> torch.Tensor
 # ---------------------------------------------------------------------------- launch shapes
 @dataclass(frozen=True)
 class GemmConfig:
-    block_m: int
-    block_n: int
+    block_m: int  # token rows of a block (one expert's)
+    block_n: int  # weight rows (output channels; for gate/up: of each of gate and up)
     block_k: int
     num_warps: int
     num_stages: int
     group_m: int = 8
+    swap: bool = False  # weights on the MMA's M side (see `mma`)
 
 
 def default_config(numel: int, num_experts: int, gated: bool, block_k: int = 128) -> GemmConfig:
-    """Decode (few pairs): one pair per 16-row block, narrow weight tiles so that enough
-    programs stream the 8 experts' weights at once. Prefill: 64/128-row blocks."""
+    """Decode (few pairs): one pair per 16-row block, weights on the MMA's 64-row side (swap)
+    so the tensor cores read the weight tiles straight from shared memory. Prefill: 64/128-row
+    token blocks."""
     if numel <= DIRECT_MAX_PAIRS:
-        return GemmConfig(16, 32 if gated else 64, block_k, 4, 4)
+        return GemmConfig(16, 64, block_k, 4, 4, swap=True)
     rows_per_expert = numel / num_experts  # mean; padding wastes up to block_m - 1 per expert
     if rows_per_expert < 8:
-        return GemmConfig(16, 32 if gated else 64, block_k, 4, 4)
+        return GemmConfig(16, 64, block_k, 4, 4, swap=True)
     if rows_per_expert < 96:
         return GemmConfig(64, 64, block_k, 4, 4)
     return GemmConfig(128, 64 if gated else 128, block_k, 8, 3)

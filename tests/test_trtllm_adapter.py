@@ -20,6 +20,7 @@ from beam_trtllm.quant_formats import quantize_nvfp4
 from beam_trtllm.reference import residual_add, rms_norm
 from beam_trtllm.trtllm import LlmArgsError, WeightMappingError
 from beam_trtllm.trtllm.__main__ import main as trtllm_cli
+from beam_trtllm.trtllm.ops import apply_head_gate, prep_qkv
 from beam_trtllm.trtllm.llm_args import (ServingOptions, check_disagg_pair, engine_args,
                                          engine_args_yaml, max_attention_window,
                                          validate_engine_args)
@@ -167,6 +168,39 @@ def test_one_folded_boundary_matches_the_unfolded_formula():
     unfolded_bf16w = residual_add(h, rms_norm(y, w_post.bfloat16(), 1e-6), a, b)
     torch.testing.assert_close(folded, unfolded_bf16w, **tol("fp32-reorder", torch.float32))
     assert not torch.equal(unfolded, unfolded_bf16w)  # the test data really is not BF16-exact
+
+
+def _attend(q, k, v, positions, cfg, window):
+    """Softmax attention in plain FP32 torch, standing where TRT-LLM's paged kernel runs."""
+    t, hq, d = q.shape[0], cfg.num_attention_heads, cfg.head_dim
+    q, k, v = q.view(t, hq, d), k.view(t, -1, d), v.view(t, -1, d)
+    k, v = (x.repeat_interleave(cfg.num_queries_per_kv, dim=1) for x in (k, v))
+    diff = positions[:, None] - positions[None, :]
+    visible = (diff >= 0) & ((diff < window) if window else True)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).reshape(t, hq * d)
+
+
+@pytest.mark.parametrize("layer", [1, 2])  # tiny: layer 1 is full (NoPE + SSMax), 2 sliding
+def test_attention_data_flow_matches_the_reference(tiny_model, layer):
+    """The TRT-LLM attention's own steps (packed [q k v g] -> beam::qk_prep with no cache ->
+    attention -> per-head sigmoid gate -> o_proj) reproduce the reference attention layer."""
+    cfg, attn = tiny_model.config, tiny_model.model.layers[layer].self_attn
+    x = torch.randn(29, cfg.hidden_size, generator=torch.Generator().manual_seed(layer))
+    positions = torch.arange(100, 129)  # SSMax scale ~5.5 (base 4); RoPE angles well mixed
+    g = attn.g_proj(x)
+    qkvg = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), g], dim=-1)
+    q, k, v = prep_qkv(qkvg, positions[None], attn.q_norm.weight, attn.k_norm.weight,
+                       cfg.num_key_value_heads, cfg, attn.is_full)
+    rq, rk, rv, _ = attn.project(x[None], positions[None])
+    for ours, ref in ((q, rq), (k, rk), (v, rv)):
+        assert torch.equal(ours, ref[0].reshape(29, -1))
+    window = None if attn.is_full else cfg.sliding_window
+    out = attn.o_proj(apply_head_gate(_attend(q, k, v, positions, cfg, window), g,
+                                      cfg.num_attention_heads))
+    torch.testing.assert_close(out, attn(x[None], positions[None])[0],
+                               **tol("fp32-reorder", torch.float32))
 
 
 # ------------------------------------------------------------------------- KV-head duplication

@@ -57,16 +57,10 @@ import plugins  # noqa: E402,F401  (registers torch.ops.beam.*)
 
 from . import hf_weight_mapper  # noqa: E402,F401  (registers the "HF" mapper for Beam)
 from .configuration_beam import BeamHfConfig, beam_config, register_hf_config  # noqa: E402
+from .ops import apply_head_gate, prep_qkv  # noqa: E402
 from .weight_mapper import fold_residual_scale, plan_weights  # noqa: E402
 
 register_hf_config()
-
-
-def apply_head_gate(attn: torch.Tensor, gate_logits: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """o_h * sigmoid(g_h): one FP32 sigmoid scalar per head and token, before o_proj."""
-    t = attn.shape[0]
-    gate = torch.sigmoid(gate_logits[:t].float())
-    return (attn.view(t, num_heads, -1).float() * gate[..., None]).to(attn.dtype).view(t, -1)
 
 
 class BeamAttention(QKNormRoPEAttention):
@@ -96,12 +90,6 @@ class BeamAttention(QKNormRoPEAttention):
             tensor_parallel_mode=TensorParallelMode.COLUMN,
             quant_config=model_config.get_quant_config(),
             skip_create_weights_in_init=model_config.skip_create_weights_in_init)
-        # qk_prep can also write a cache; TRT-LLM owns the cache here, so every slot is -1 and
-        # these 1-row stand-ins are never read or written (their contents do not matter).
-        shape = (1, 1, self.num_key_value_heads, self.head_dim)
-        self.register_buffer("_k_unused", torch.empty(shape, dtype=pc.torch_dtype), False)
-        self.register_buffer("_v_unused", torch.empty(shape, dtype=pc.torch_dtype), False)
-        self.register_buffer("_unit_scale", torch.ones((), dtype=torch.float32), False)
 
     def _use_quantize_output(self) -> bool:
         # The gate multiplies the attention output before o_proj, so the attention kernel must
@@ -112,14 +100,8 @@ class BeamAttention(QKNormRoPEAttention):
                    position_ids: torch.Tensor):
         """`q` is this rank's packed [q | k | v | g] projection (k, v None; see forward).
         Returns normed q, k (RoPE'd on sliding layers, q SSMax-scaled on full ones) and v."""
-        t = q.shape[0]
-        slots = torch.full((t,), -1, dtype=torch.int64, device=q.device)
-        c = self.beam
-        q, k, v, _ = torch.ops.beam.qk_prep(
-            q, position_ids.reshape(-1)[:t], self.q_norm.weight, self.k_norm.weight,
-            self._k_unused, self._v_unused, slots, self._unit_scale, self._unit_scale,
-            self.is_full, c.rms_norm_eps, c.rope_theta, c.ssmax_base, c.ssmax_exponent)
-        return q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)
+        return prep_qkv(q, position_ids, self.q_norm.weight, self.k_norm.weight,
+                        self.num_key_value_heads, self.beam, self.is_full)
 
     def forward(self, position_ids: Optional[torch.IntTensor], hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -277,6 +259,8 @@ class BeamForCausalLM(DecoderModelForCausalLM[BeamModel, BeamHfConfig]):
         # TRT-LLM's loader ignores tensors no module asks for and leaves parameters without a
         # tensor at their init values; check the names first so a renamed or missing tensor is
         # an error naming it (a partial load only checks that every name is a Beam tensor).
-        cfg = beam_config(self.model_config.pretrained_config)
-        plan_weights(cfg, weights.keys(), complete=not kwargs.get("allow_partial_loading", False))
+        names = weights.keys() if hasattr(weights, "keys") else None
+        if names is not None:  # newer layer-wise loaders may hand over a stream instead
+            cfg = beam_config(self.model_config.pretrained_config)
+            plan_weights(cfg, names, complete=not kwargs.get("allow_partial_loading", False))
         return super().load_weights(weights, weight_mapper, *args, **kwargs)
