@@ -1,6 +1,7 @@
 """MoE and linear rows of the kernel benchmark at Beam-1.0 shapes (H=5120, I=2560, E=256, top-8).
 
-    PYTHONPATH=. python3 bench/kernels_moe.py [--preset beam-1.0-501b] [--out DIR] [--sweep]
+    PYTHONPATH=. python3 bench/kernels_moe.py [--preset beam-1.0-501b] [--out DIR]
+        [--sweep fp8:1,nvfp4:1,fp8:16384] [--formats fp8,nvfp4] [--no-eager] [--no-linear]
 
 bench/kernels.py imports `run(ctx)` and prints these rows in its table; run alone, this script
 measures the same ceilings with bench/kernels.py's `measure_ceilings` and prints the same table.
@@ -138,6 +139,9 @@ def bench_moe_format(ctx, fmt: str, tokens=(1, 16, 16384)) -> list[dict]:
             ctx.add_row(f"moe_{fmt} prefill", shape, ours, eager, flops, "TFLOP/s", ceil[key],
                         status, note)
             results.append(dict(fmt=fmt, t=t, us=ours, pct=100 * flops / ours / 1e6 / ceil[key]))
+        if t in (1, 16384):
+            print(f"  breakdown moe_{fmt} T={t} (us per call): "
+                  f"{kernel_breakdown(fmt, args, reps=20 if t == 1 else 5)}", flush=True)
     del packed
     torch.cuda.empty_cache()
     return results
@@ -170,7 +174,8 @@ def bench_linear(ctx, tokens=(1, 16384)) -> None:
             args = tuple(a.to(DEV) for a in args)
             fast = getattr(mod, f"linear_{fmt}_triton")
             ref = getattr(mod, f"ref_linear_{fmt}")
-            status = check(ctx, fmt, fast(*args, **extra), ref(*args), what="linear")
+            what = "linear-fp8-mma" if fmt.startswith("fp8") and DEV == "cuda" else "linear"
+            status = check(ctx, fmt, fast(*args, **extra), ref(*args), what=what)
             name = f"linear_{fmt}" + (" (triton)" if extra else " (_scaled_mm)" if fmt == "fp8" else "")
             ours = (ctx.time_graph_us if t == 1 else ctx.time_us)(lambda: fast(*args, **extra))
             eager = ctx.time_us(lambda: ref(*args)) if ctx.eager else 0.0  # not capturable
@@ -197,8 +202,9 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
     decode = t <= 64
     timer = ctx.time_graph_us if decode else ctx.time_us
     if decode:  # weights on the MMA's M side (swap); block_n >= 64 (one warpgroup's M)
-        grid13 = [GemmConfig(16, bn, bk, 4, 4, swap=True) for bn in (64, 128) for bk in (128, 256)]
-        down = [(bn, bk, 4, 4, 8, True) for bn in (64, 128) for bk in (128, 256)]
+        shapes = ((64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 4), (64, 64, 4))
+        grid13 = [GemmConfig(16, bn, bk, nw, 4, swap=True) for bn, bk, nw in shapes]
+        down = [(bn, bk, nw, 4, 8, True) for bn, bk, nw in shapes]
         default2 = (64, 128, 4, 4, 8, True)
     else:
         grid13 = [GemmConfig(*c) for c in ((128, 64, 128, 8, 3), (128, 64, 128, 8, 4),
@@ -226,7 +232,7 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
     return found
 
 
-def run(ctx, sweep_too: bool = False) -> dict:
+def run(ctx, sweep_cases=()) -> dict:
     """Entry point for bench/kernels.py (ctx: cfg, ceilings, time_us, time_graph_us, add_row,
     rel_err)."""
     out = {"moe": [], "sweep": [], "failed": []}
@@ -236,9 +242,9 @@ def run(ctx, sweep_too: bool = False) -> dict:
     steps = [(f"moe_{fmt}", bench_moe_format, (fmt,)) for fmt in formats]
     if getattr(ctx, "linear", True):
         steps.append(("linear", bench_linear, ()))
-    if sweep_too:
-        steps += [(f"sweep {fmt} T={t}", sweep, (fmt, t)) for fmt, t in
-                  (("fp8", 1), ("nvfp4", 1), ("fp8", 16384))]
+    for case in sweep_cases:
+        fmt, t = case.split(":")
+        steps.append((f"sweep {fmt} T={t}", sweep, (fmt, int(t))))
     for name, fn, args in steps:
         try:
             result = fn(ctx, *args)
@@ -265,7 +271,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="beam-1.0-501b")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes")
+    parser.add_argument("--sweep", default="", help="launch-shape sweeps, e.g. fp8:1,nvfp4:1,fp8:16384")
     parser.add_argument("--formats", default="", help="comma list of moe formats (default all)")
     parser.add_argument("--no-eager", action="store_true", help="skip timing the references")
     parser.add_argument("--no-linear", action="store_true")
@@ -282,7 +288,7 @@ def main(argv=None) -> int:
                           time_graph_us=kb.time_graph_us, add_row=kb.add_row, rel_err=kb.rel_err,
                           eager=not opts.no_eager, linear=not opts.no_linear,
                           formats=[f for f in opts.formats.split(",") if f])
-    out = run(ctx, sweep_too=opts.sweep)
+    out = run(ctx, sweep_cases=[c for c in opts.sweep.split(",") if c])
     print(kb.table(ceil) if hasattr(kb, "table") else kb.print_table(ceil))
     print(f"total {time.time() - t0:.0f} s")
     if opts.out:

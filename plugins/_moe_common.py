@@ -34,6 +34,7 @@ from .registry import PluginError
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
+ONE_PROGRAM_ALIGN = 4096  # up to this many pairs the token sort is one program (one launch)
 
 
 # ---------------------------------------------------------------------------- input checks
@@ -141,6 +142,45 @@ def _align_kernel(ids_ptr, numel, sorted_ptr, block_expert_ptr, num_rows_ptr, cu
         tl.store(sorted_ptr + row, offs, mask=mask)
 
 
+@triton.jit
+def _count_kernel(ids_ptr, numel, counts_ptr, sorted_ptr, max_rows, E: tl.constexpr,
+                  BINS: tl.constexpr, CHUNK: tl.constexpr):
+    # Many programs (prefill): histogram of one chunk of pairs into the zeroed counts, and the
+    # sentinel fill of the same range of sorted rows.
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E).to(tl.int32)
+    bins = tl.arange(0, BINS)
+    tl.atomic_add(counts_ptr + bins, tl.histogram(ids, BINS), mask=bins < E)
+    tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + numel, mask=offs < max_rows)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, numel, counts_ptr, fill_ptr, sorted_ptr, block_expert_ptr,
+                    num_rows_ptr, max_blocks, E: tl.constexpr, BINS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr):
+    # Every program derives the padded layout from the counts (E values), writes its share of
+    # the block -> expert map, then places its chunk of pairs at start[e] + (atomic) rank.
+    pid = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    if pid == 0:
+        tl.store(num_rows_ptr, total)
+    blocks = pid * NB + tl.arange(0, NB)
+    first_row = blocks * BLOCK_M
+    expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + blocks, tl.where(first_row < total, expert, -1),
+             mask=blocks < max_blocks)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    rank = tl.atomic_add(fill_ptr + ids, 1, mask=mask)
+    start = tl.gather(ends - padded, ids, 0)
+    tl.store(sorted_ptr + start + rank, offs, mask=mask)
+
+
 @dataclass
 class Routing:
     """Where each (token, expert) pair goes in the grouped GEMMs (see the module docstring)."""
@@ -171,10 +211,22 @@ def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, direct:
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     bins = triton.next_power_of_2(num_experts + 1)
-    cursor = torch.empty(bins, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](ids, numel, sorted_slots, block_expert, num_rows, cursor, rows,
-                        rows // block_m, E=num_experts, BINS=bins, BLOCK_M=block_m, CHUNK=1024,
-                        NB=max(16, 8192 // bins), num_warps=8)
+    nb = max(16, 8192 // bins)
+    if numel <= ONE_PROGRAM_ALIGN:  # one launch: decode batches
+        cursor = torch.empty(bins, dtype=torch.int32, device=dev)
+        _align_kernel[(1,)](ids, numel, sorted_slots, block_expert, num_rows, cursor, rows,
+                            rows // block_m, E=num_experts, BINS=bins, BLOCK_M=block_m,
+                            CHUNK=1024, NB=nb, num_warps=8)
+    else:  # prefill: count, then scatter, over many programs (one program took 0.7 ms at 128K)
+        counts = torch.zeros(2 * bins, dtype=torch.int32, device=dev)  # counts, then cursors
+        chunk = 1024
+        _count_kernel[(triton.cdiv(max(numel, rows), chunk),)](
+            ids, numel, counts, sorted_slots, rows, E=num_experts, BINS=bins, CHUNK=chunk,
+            num_warps=4)
+        grid = max(triton.cdiv(numel, chunk), triton.cdiv(rows // block_m, nb))
+        _scatter_kernel[(grid,)](ids, numel, counts, counts[bins:], sorted_slots, block_expert,
+                                 num_rows, rows // block_m, E=num_experts, BINS=bins,
+                                 BLOCK_M=block_m, CHUNK=chunk, NB=nb, num_warps=4)
     return Routing(False, block_m, rows // block_m, rows, ids, sorted_slots, block_expert, num_rows)
 
 

@@ -66,8 +66,11 @@ def test_single_token_and_empty_batch():
     assert kernel(*empty).shape == (0, args[0].shape[1])
 
 
-@pytest.mark.parametrize("t,experts", [(1, None), (37, 5), (40, 1)])
-def test_align_places_every_pair_exactly_once(t, experts):
+@pytest.mark.parametrize("t,experts,one_program", [(1, None, 4096), (37, 5, 4096), (40, 1, 4096),
+                                                  (37, 5, 16), (300, None, 64)])
+def test_align_places_every_pair_exactly_once(t, experts, one_program, monkeypatch):
+    # one_program < T*k takes the many-program path (count, then scatter) used for prefill
+    monkeypatch.setattr(_moe_common, "ONE_PROGRAM_ALIGN", one_program)
     k, block_m = (1, 16) if experts == 1 else (K, 16)
     ids, _ = random_routing(t, E, k, seed=t, experts=experts)
     r = _moe_common.plan_routing(ids, E, block_m, direct=False)
