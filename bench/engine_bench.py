@@ -156,10 +156,11 @@ def count_launches(engine, chunk, device) -> list[dict]:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 model.layer(i, h, x, s)
                 torch.cuda.synchronize()
-            names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            kernels = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
-            out.append({"kernels": len(kernels), "memcpy_memset": len(names) - len(kernels),
-                        "names": kernels})
+            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
+            out.append({"kernels": len(kernels), "memcpy_memset": len(events) - len(kernels),
+                        "names": [f"{e.time_range.elapsed_us():7.1f} us  {e.name[:90]}" for e in kernels],
+                        "kernel_us": sum(e.time_range.elapsed_us() for e in kernels)})
     return out
 
 
@@ -225,8 +226,9 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     decode_ms = section(res, "per-layer decode graphs", lambda: decode_layers(engine, chunk, device, 200))
     launches = section(res, "launch count", lambda: count_launches(engine, chunk, device))
     for i in range(cfg.num_hidden_layers):
-        nbytes = decode_bytes(cfg, fmt, i, context=seq_len)
-        flops = prefill_flops(cfg, fmt, i, seqs, seq_len)
+        base = fmt.removesuffix("+gate")
+        nbytes = decode_bytes(cfg, base, i, context=seq_len)
+        flops = prefill_flops(cfg, base, i, seqs, seq_len)
         floor_prefill = sum(flops[u] / ceilings[f"{u}_TFLOPs"] for u in flops) / 1e9
         res["layers"].append({
             "layer": i, "kind": ("full" if cfg.is_full(i) else "sliding") + (" MoE" if cfg.is_moe(i) else " dense"),
@@ -235,6 +237,7 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
             "kernels": launches[i].get("kernels") if launches else None,
             "memcpy_memset": launches[i].get("memcpy_memset") if launches else None,
             "kernel_names": launches[i].get("names") if launches else None,
+            "kernel_us": launches[i].get("kernel_us") if launches else None,
             "prefill_ms": prefill_ms[i], "prefill_floor_ms": floor_prefill,
             "prefill_TFLOP": {u: f / 1e12 for u, f in flops.items()}})
     for k in range(seqs):
@@ -260,12 +263,15 @@ def print_table(results: list[dict], ceilings: dict) -> None:
             print(f"\n{r['format']}: FAILED {r['error']}")
             continue
         print(f"\n{r['format']} (setup {r.get('setup_s', 0):.0f} s; errors: {r.get('errors', 'none')})")
-        print("| layer | kind | decode b=1 ms | floor ms | x floor | kernels | prefill 8x2K ms | GEMM floor ms | x floor |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| layer | kind | decode b=1 ms | floor ms | x floor | kernels | sum of kernel times ms | prefill 8x2K ms | GEMM floor ms | x floor |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for l in r["layers"]:
+            for n in (l.get("kernel_names") or []) if l["layer"] == 1 else []:
+                print(f"    layer 1 kernel {n}")
             dec = l["decode_ms"] or float("nan")
             print(f"| {l['layer']} | {l['kind']} | {dec:.4f} | {l['decode_floor_ms']:.4f} | "
                   f"{dec / l['decode_floor_ms']:.2f} | {l['kernels']} (+{l['memcpy_memset']}) | "
+                  f"{(l.get('kernel_us') or float('nan')) / 1e3:.4f} | "
                   f"{l['prefill_ms']:.2f} | {l['prefill_floor_ms']:.2f} | "
                   f"{l['prefill_ms'] / l['prefill_floor_ms']:.2f} |")
         for d in r.get("decode", []):
@@ -275,7 +281,9 @@ def print_table(results: list[dict], ceilings: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--formats", default="fp8,nvfp4")
+    ap.add_argument("--formats", default="fp8,nvfp4",
+                    help="fp8, nvfp4; a '+gate' suffix also quantizes the output gate into the "
+                         "FP8 q/k/v GEMM (a what-if: the shipped recipes keep it BF16)")
     ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")

@@ -69,7 +69,7 @@ def _experts(cfg: BeamConfig, fmt: str, device) -> dict:
             "w2": w2, "w2_scale": sc2, "w2_scale_2": torch.full((e,), s2, **f32)}
 
 
-def random_weights(cfg: BeamConfig, fmt: str, device) -> tuple[dict, dict]:
+def random_weights(cfg: BeamConfig, fmt: str, device, gate_fp8: bool = False) -> tuple[dict, dict]:
     """As the shipped recipes quantize: attention projections FP8 (per tensor, W8A8) in both
     formats, the per-head output gate BF16 (so qkvg is two GEMMs: FP8 q/k/v, BF16 g), dense
     MLP and experts in `fmt`."""
@@ -86,12 +86,16 @@ def random_weights(cfg: BeamConfig, fmt: str, device) -> tuple[dict, dict]:
         for n in ("q_norm", "k_norm"):
             w[f"{p}self_attn.{n}.weight"] = torch.ones(cfg.head_dim, **bf16)
         qkv = cfg.q_size + 2 * cfg.kv_size
-        tensors, segs = _linear(qkv, h, "fp8", device, ["self_attn.q_proj", "self_attn.k_proj",
-                                                         "self_attn.v_proj"])
+        parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        if gate_fp8:  # what-if: a recipe that quantizes g_proj with q/k/v (one GEMM)
+            tensors, segs = _linear(qkv + cfg.num_attention_heads, h, "fp8", device,
+                                    parts + ["self_attn.g_proj"])
+        else:
+            tensors, segs = _linear(qkv, h, "fp8", device, parts)
+            w[f"{p}self_attn.qkvg_proj.1.weight"] = torch.randn(cfg.num_attention_heads, h, **bf16) / h**0.5
+            segs = segs + [{"format": "bf16", "parts": ["self_attn.g_proj"], "rows": cfg.num_attention_heads}]
         w.update({f"{p}self_attn.qkvg_proj.{n}": t for n, t in tensors.items()})
-        w[f"{p}self_attn.qkvg_proj.1.weight"] = torch.randn(cfg.num_attention_heads, h, **bf16) / h**0.5
-        lp["self_attn.qkvg_proj"] = segs + [{"format": "bf16", "parts": ["self_attn.g_proj"],
-                                             "rows": cfg.num_attention_heads}]
+        lp["self_attn.qkvg_proj"] = segs
         linears = [("self_attn.o_proj", h, cfg.q_size, ["self_attn.o_proj"], "fp8")]
         if not cfg.is_moe(li):
             linears += [("mlp.gate_up_proj", 2 * cfg.intermediate_size, h, ["mlp.gate_proj", "mlp.up_proj"], fmt),
@@ -116,7 +120,7 @@ def make_engine(cfg: BeamConfig, fmt: str, device, max_num_tokens: int) -> Engin
                         max_seq_len=4096 if cuda else 256, max_num_tokens=max_num_tokens,
                         block_size=32 if cuda else 8, kv_memory_gib=1.0 if cuda else 0.01,
                         cuda_graph_batch_sizes=(1, 64) if cuda else ())
-    weights, plan = random_weights(cfg, fmt, device)
+    weights, plan = random_weights(cfg, fmt.removesuffix("+gate"), device, fmt.endswith("+gate"))
     return Engine(cfg, weights, plan, opts, kv_plan(cfg, opts, "bf16"), device, use_cuda_graphs=False)
 
 
