@@ -63,7 +63,7 @@ def sweep_rows(cfg, ceil):
     # One row per tile (more rows spilled or ran slower on the H200: 2026-11-29 sweep), a
     # persistent grid of programs_per_sm x SMs, and loads STAGES tiles ahead (cp.async).
     grid = [dict(ROWS=1, elems_per_thread=e, programs_per_sm=p, STAGES=s)
-            for e in (16, 32) for p in (1, 2, 4) for s in (1, 2, 3)]
+            for e in (16, 32) for p in (2, 4) for s in (1, 2, 3)]
 
     def timed(fn):
         def run(conf):
@@ -111,7 +111,7 @@ def sweep_fp8(cfg, ceil, block_size=64):
     hkv, d, ctx = cfg.num_key_value_heads, cfg.head_dim, kb.SIZES["long_ctx"]
     case = kb.paged_decode_case(cfg, 1, ctx, block_size, FP8)
     grid = [dict(BLOCK_N=n, num_warps=w, programs_per_sm_fp8=p)
-            for n in (128, 256) for w in (4, 8) for p in (2, 3, 4)]
+            for n in (128, 256) for w in (4, 8) for p in (3,)]
     return run_grid(f"decode B=1 ctx={ctx} kv=fp8", grid, _decode_timer(case),
                     ctx * hkv * d * 2, "GB/s", ceil["copy_GBps"])
 
