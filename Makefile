@@ -43,10 +43,15 @@ demo: $(STAMP)
 	    --prompt "Write a function that adds two numbers."
 	$(BIN)/beam-trt convert $(DEMO)/tiny $(DEMO)/tiny-nvfp4 --quant nvfp4 --kv-cache fp8
 	$(BIN)/beam-trt verify $(DEMO)/tiny-nvfp4 --against $(DEMO)/tiny
-	$(BIN)/beam-trt build $(DEMO)/tiny-nvfp4 $(DEMO)/engine --max-seq-len 2048
+	$(BIN)/beam-trt build $(DEMO)/tiny $(DEMO)/tiny-engine --max-seq-len 512 --block-size 16
+	$(BIN)/beam-trt generate $(DEMO)/tiny-engine --chat --max-new-tokens 24 \
+	    --prompt "Write a function that adds two numbers."
+	$(BIN)/beam-trt build $(DEMO)/tiny-nvfp4 $(DEMO)/tiny-nvfp4-engine --max-seq-len 512 --block-size 16
+	$(BIN)/beam-trt generate $(DEMO)/tiny-nvfp4-engine --chat --max-new-tokens 24 \
+	    --prompt "Write a function that adds two numbers."
 	# Serve the NVFP4 engine with the disaggregated graph (frontend + prefill + decode on
 	# 127.0.0.1, KV over NIXL), answer one chat request through the frontend, Ctrl-C.
-	$(BIN)/python -m dynamo_graphs.demo_chat dynamo_graphs/disagg.yaml --engine-dir $(DEMO)/engine
+	$(BIN)/python -m dynamo_graphs.demo_chat dynamo_graphs/disagg.yaml
 
 clean:
 	rm -rf $(VENV) out

@@ -103,7 +103,11 @@ import json, resource, sys, time
 from convert.pipeline import ConvertOptions, convert
 t = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], ConvertOptions(sys.argv[3], calib_data="none", workers=2))
-print(json.dumps({"seconds": time.perf_counter() - t}))
+seconds = time.perf_counter() - t
+# VmHWM: this process's peak RSS since exec (the parent's pages shared at fork time, which
+# the rusage of a waited child would count, are not included)
+hwm = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+print(json.dumps({"seconds": seconds, "vm_hwm_kb": hwm}))
 """
 
 
@@ -115,7 +119,8 @@ def run_convert(src: Path, out: Path, recipe: str) -> dict:
     if status != 0:
         raise SystemExit(f"convert {recipe} of {src} failed (status {status})")
     result = json.loads(stdout.decode().strip().splitlines()[-1])
-    result["peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux
+    result["peak_rss_mb"] = result.pop("vm_hwm_kb") / 1024
+    result["cpu_seconds"] = usage.ru_utime + usage.ru_stime  # includes ~5 s of imports
     return result
 
 
@@ -167,21 +172,23 @@ def cpu_main(args) -> None:
                 out = root / f"out-{layers}-{recipe}"
                 r = run_convert(src, out, recipe)
                 rows.append((f"convert {recipe}", total, r["seconds"], total / r["seconds"] / MB,
-                             r["peak_rss_mb"]))
+                             r["peak_rss_mb"], r["cpu_seconds"], os.getloadavg()[0]))
                 print(rows[-1], flush=True)
                 shutil.rmtree(out)
             if layers == args.layers[0]:
                 for name, rate in modelopt_rates(src).items():
-                    rows.append((name, None, None, rate, None))
+                    rows.append((name, None, None, rate, None, None, os.getloadavg()[0]))
             shutil.rmtree(src)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("\n| run | BF16 input GB | seconds | MB/s of BF16 input | peak RSS MB |")
-    print("|---|---|---|---|---|")
-    for name, total, secs, rate, rss in rows:
-        print(f"| {name} | {'' if total is None else f'{total / 1e9:.2f}'} | "
-              f"{'' if secs is None else f'{secs:.1f}'} | {rate:.0f} | "
-              f"{'' if rss is None else f'{rss:.0f}'} |")
+    print("\n| run | BF16 input GB | wall s | MB/s (wall) | CPU s (child) | MB/s per 2 CPU-s | "
+          "peak RSS MB | load avg |")
+    print("|---|---|---|---|---|---|---|---|")
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    for name, total, secs, rate, rss, cpu, load in rows:
+        per_cpu = None if cpu is None else total / (cpu / 2) / MB
+        print(f"| {name} | {fmt(total and total / 1e9, '.2f')} | {fmt(secs, '.1f')} | {rate:.0f} | "
+              f"{fmt(cpu, '.1f')} | {fmt(per_cpu, '.0f')} | {fmt(rss, '.0f')} | {load:.1f} |")
 
 
 # ---------------------------------------------------------------------------- CUDA

@@ -17,6 +17,7 @@ ceilings are measured first (device copy, dense BF16 / FP8 GEMMs), as METHOD.md 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -57,7 +58,18 @@ def cuda_time(fn, iters: int, device) -> float:
     return statistics.median(times)
 
 
+DATASHEET = {"copy_GBps": 4800.0, "bf16_TFLOPs": 989.0, "fp8_TFLOPs": 1979.0, "fp32_TFLOPs": 67.0}
+
+
 def measure_ceilings(device) -> dict:
+    try:
+        return _measure_ceilings(device)
+    except Exception:  # noqa: BLE001  (fall back to the datasheet, and say so)
+        traceback.print_exc()
+        return {**DATASHEET, "note": "measurement failed: H200 datasheet values"}
+
+
+def _measure_ceilings(device) -> dict:
     if device.type != "cuda":
         return {"copy_GBps": 1.0, "bf16_TFLOPs": 1.0, "fp8_TFLOPs": 1.0, "fp32_TFLOPs": 1.0}
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
@@ -144,10 +156,11 @@ def count_launches(engine, chunk, device) -> list[dict]:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 model.layer(i, h, x, s)
                 torch.cuda.synchronize()
-            names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            kernels = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
-            out.append({"kernels": len(kernels), "memcpy_memset": len(names) - len(kernels),
-                        "names": kernels})
+            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
+            out.append({"kernels": len(kernels), "memcpy_memset": len(events) - len(kernels),
+                        "names": [f"{e.time_range.elapsed_us():7.1f} us  {e.name[:90]}" for e in kernels],
+                        "kernel_us": sum(e.time_range.elapsed_us() for e in kernels)})
     return out
 
 
@@ -176,36 +189,69 @@ def decode_throughput(engine, batch: int, prompt_len: int, steps: int, device) -
             "graph_steps": engine.stats["graph_steps"] - graph_steps, "steps": steps}
 
 
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def section(res: dict, name: str, fn):
+    """Run one part of the bench; a failure is recorded and the others still run."""
+    t = time.perf_counter()
+    try:
+        out = fn()
+        log(f"{res['format']}: {name} done in {time.perf_counter() - t:.1f} s")
+        return out
+    except Exception as exc:  # noqa: BLE001  (report every part even if one fails)
+        traceback.print_exc()
+        res.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+        log(f"{res['format']}: {name} FAILED: {exc}")
+        return None
+
+
 def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     cfg = bench_config(args.smoke)
     seqs, seq_len = (8, 2048) if not args.smoke else (2, 40)
+    res = {"format": fmt, "layers": []}
     t = time.perf_counter()
-    engine = make_engine(cfg, fmt, device, max_num_tokens=seqs * seq_len, graph_sizes=(1, 64))
-    res = {"format": fmt, "setup_s": time.perf_counter() - t, "layers": []}
-    chunks, prefill_ms = prefill(engine, seqs, seq_len, device, iters=2 if not args.smoke else 1)
+    engine = make_engine(cfg, fmt, device, max_num_tokens=seqs * seq_len)
+    res["setup_s"] = time.perf_counter() - t
+    log(f"{fmt}: weights made in {res['setup_s']:.1f} s, "
+        f"{torch.cuda.memory_allocated() / 2**30 if device.type == 'cuda' else 0:.1f} GiB on the GPU")
+    pre = section(res, "prefill 8x2K", lambda: prefill(engine, seqs, seq_len, device, iters=2))
+    if pre is None:
+        return res
+    chunks, prefill_ms = pre
     req = chunks[0].request
     assert engine.scheduler._ensure_blocks(req, req.num_computed + 1)
     chunk = Chunk(req, req.num_computed, 1)
-    decode_ms = decode_layers(engine, chunk, device, iters=200)
-    launches = count_launches(engine, chunk, device)
+    decode_ms = section(res, "per-layer decode graphs", lambda: decode_layers(engine, chunk, device, 200))
+    launches = section(res, "launch count", lambda: count_launches(engine, chunk, device))
     for i in range(cfg.num_hidden_layers):
-        nbytes = decode_bytes(cfg, fmt, i, context=seq_len)
-        lin, attn, router = prefill_flops(cfg, i, seqs, seq_len)
-        rate = ceilings["fp8_TFLOPs"] if fmt == "fp8" else ceilings["bf16_TFLOPs"]
-        floor_prefill = (lin / rate + attn / ceilings["bf16_TFLOPs"] + router / ceilings["fp32_TFLOPs"]) / 1e9
-        floor_decode = nbytes / ceilings["copy_GBps"] / 1e6
+        base = fmt.removesuffix("+gate")
+        nbytes = decode_bytes(cfg, base, i, context=seq_len)
+        flops = prefill_flops(cfg, base, i, seqs, seq_len)
+        floor_prefill = sum(flops[u] / ceilings[f"{u}_TFLOPs"] for u in flops) / 1e9
         res["layers"].append({
             "layer": i, "kind": ("full" if cfg.is_full(i) else "sliding") + (" MoE" if cfg.is_moe(i) else " dense"),
-            "decode_ms": decode_ms[i], "decode_floor_ms": floor_decode, "decode_bytes_MB": nbytes / 1e6,
-            "kernels": launches[i].get("kernels"), "memcpy_memset": launches[i].get("memcpy_memset"),
-            "kernel_names": launches[i].get("names"),
+            "decode_ms": decode_ms[i] if decode_ms else None,
+            "decode_floor_ms": nbytes / ceilings["copy_GBps"] / 1e6, "decode_bytes_MB": nbytes / 1e6,
+            "kernels": launches[i].get("kernels") if launches else None,
+            "memcpy_memset": launches[i].get("memcpy_memset") if launches else None,
+            "kernel_names": launches[i].get("names") if launches else None,
+            "kernel_us": launches[i].get("kernel_us") if launches else None,
             "prefill_ms": prefill_ms[i], "prefill_floor_ms": floor_prefill,
-            "prefill_TFLOP": {"linear": lin / 1e12, "attention": attn / 1e12, "router_fp32": router / 1e12}})
+            "prefill_TFLOP": {u: f / 1e12 for u, f in flops.items()}})
     for k in range(seqs):
         engine.abort(f"p{k}")
     engine.step()
-    res["decode"] = [decode_throughput(engine, b, 128 if not args.smoke else 6, 16 if not args.smoke else 2, device)
-                     for b in (1, 64 if not args.smoke else 4)]
+    if device.type == "cuda":
+        from beam_trtllm.engine.graphs import DecodeGraphs
+
+        engine.graphs = section(res, "capture decode graphs (1, 64)", lambda: DecodeGraphs(
+            engine.model, engine.options, engine.kv_plan, engine.cfg, device, sizes=(1, 64)))
+    batches = (1, 64) if not args.smoke else (1, 4)
+    res["decode"] = [d for b in batches if (d := section(res, f"decode batch {b}", lambda b=b:
+                     decode_throughput(engine, b, 128 if not args.smoke else 6,
+                                       32 if not args.smoke else 2, device))) is not None]
     return res
 
 
@@ -216,40 +262,50 @@ def print_table(results: list[dict], ceilings: dict) -> None:
         if "error" in r:
             print(f"\n{r['format']}: FAILED {r['error']}")
             continue
-        print(f"\n{r['format']} (setup {r['setup_s']:.0f} s)")
-        print("| layer | kind | decode b=1 ms | floor ms | x floor | kernels | prefill 8x2K ms | GEMM floor ms | x floor |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print(f"\n{r['format']} (setup {r.get('setup_s', 0):.0f} s; errors: {r.get('errors', 'none')})")
+        print("| layer | kind | decode b=1 ms | floor ms | x floor | kernels | sum of kernel times ms | prefill 8x2K ms | GEMM floor ms | x floor |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for l in r["layers"]:
-            print(f"| {l['layer']} | {l['kind']} | {l['decode_ms']:.4f} | {l['decode_floor_ms']:.4f} | "
-                  f"{l['decode_ms'] / l['decode_floor_ms']:.2f} | {l['kernels']} (+{l['memcpy_memset']}) | "
+            for n in (l.get("kernel_names") or []) if l["layer"] == 1 else []:
+                print(f"    layer 1 kernel {n}")
+            dec = l["decode_ms"] or float("nan")
+            print(f"| {l['layer']} | {l['kind']} | {dec:.4f} | {l['decode_floor_ms']:.4f} | "
+                  f"{dec / l['decode_floor_ms']:.2f} | {l['kernels']} (+{l['memcpy_memset']}) | "
+                  f"{(l.get('kernel_us') or float('nan')) / 1e3:.4f} | "
                   f"{l['prefill_ms']:.2f} | {l['prefill_floor_ms']:.2f} | "
                   f"{l['prefill_ms'] / l['prefill_floor_ms']:.2f} |")
-        for d in r["decode"]:
+        for d in r.get("decode", []):
             print(f"decode batch {d['batch']}: {d['step_ms']:.3f} ms/step, {d['tokens_per_s']:.0f} tok/s "
                   f"({d['graph_steps']}/{d['steps']} steps in CUDA graphs)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--formats", default="fp8,nvfp4")
+    ap.add_argument("--formats", default="fp8,nvfp4",
+                    help="fp8, nvfp4; a '+gate' suffix also quantizes the output gate into the "
+                         "FP8 q/k/v GEMM (a what-if: the shipped recipes keep it BF16)")
     ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     torch.manual_seed(0)
     ceilings = measure_ceilings(device)
+    log(f"ceilings: {ceilings}")
     results = []
+    out = os.environ.get("OUT")
     for fmt in args.formats.split(","):
         try:
             results.append(bench_format(fmt, args, device, ceilings))
-        except Exception as exc:  # report every format even if one fails  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001  (report every format even if one fails)
             traceback.print_exc()
             results.append({"format": fmt, "error": f"{type(exc).__name__}: {exc}"})
+        gc.collect()  # the format's engine (40 GB of FP8 weights) goes before the next one
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "engine_bench.json").write_text(json.dumps({"ceilings": ceilings, "results": results,
-                                                              "device": str(torch.cuda.get_device_name()) if device.type == "cuda" else "cpu"}, indent=1))
+        if out:
+            dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+            Path(out, "engine_bench.json").write_text(json.dumps(
+                {"ceilings": ceilings, "results": results, "device": dev}, indent=1))
+        print_table(results[-1:], ceilings)
     print_table(results, ceilings)
 
 

@@ -69,9 +69,10 @@ def _experts(cfg: BeamConfig, fmt: str, device) -> dict:
             "w2": w2, "w2_scale": sc2, "w2_scale_2": torch.full((e,), s2, **f32)}
 
 
-def random_weights(cfg: BeamConfig, fmt: str, device) -> tuple[dict, dict]:
-    """The q/k/v/g rows are one quantized segment (a recipe that quantizes the output gate
-    too; with a BF16 gate the engine runs two GEMMs and a concat)."""
+def random_weights(cfg: BeamConfig, fmt: str, device, gate_fp8: bool = False) -> tuple[dict, dict]:
+    """As the shipped recipes quantize: attention projections FP8 (per tensor, W8A8) in both
+    formats, the per-head output gate BF16 (so qkvg is two GEMMs: FP8 q/k/v, BF16 g), dense
+    MLP and experts in `fmt`."""
     h, bf16 = cfg.hidden_size, dict(device=device, dtype=torch.bfloat16)
     w = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, **bf16),
          "model.norm.weight": torch.ones(h, **bf16),
@@ -84,15 +85,23 @@ def random_weights(cfg: BeamConfig, fmt: str, device) -> tuple[dict, dict]:
             w[f"{p}{n}.weight"] = torch.ones(h, **bf16)
         for n in ("q_norm", "k_norm"):
             w[f"{p}self_attn.{n}.weight"] = torch.ones(cfg.head_dim, **bf16)
-        qkvg = cfg.q_size + 2 * cfg.kv_size + cfg.num_attention_heads
-        linears = [("self_attn.qkvg_proj", qkvg, h, ["self_attn.q_proj", "self_attn.k_proj",
-                                                     "self_attn.v_proj", "self_attn.g_proj"]),
-                   ("self_attn.o_proj", h, cfg.q_size, ["self_attn.o_proj"])]
+        qkv = cfg.q_size + 2 * cfg.kv_size
+        parts = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        if gate_fp8:  # what-if: a recipe that quantizes g_proj with q/k/v (one GEMM)
+            tensors, segs = _linear(qkv + cfg.num_attention_heads, h, "fp8", device,
+                                    parts + ["self_attn.g_proj"])
+        else:
+            tensors, segs = _linear(qkv, h, "fp8", device, parts)
+            w[f"{p}self_attn.qkvg_proj.1.weight"] = torch.randn(cfg.num_attention_heads, h, **bf16) / h**0.5
+            segs = segs + [{"format": "bf16", "parts": ["self_attn.g_proj"], "rows": cfg.num_attention_heads}]
+        w.update({f"{p}self_attn.qkvg_proj.{n}": t for n, t in tensors.items()})
+        lp["self_attn.qkvg_proj"] = segs
+        linears = [("self_attn.o_proj", h, cfg.q_size, ["self_attn.o_proj"], "fp8")]
         if not cfg.is_moe(li):
-            linears += [("mlp.gate_up_proj", 2 * cfg.intermediate_size, h, ["mlp.gate_proj", "mlp.up_proj"]),
-                        ("mlp.down_proj", h, cfg.intermediate_size, ["mlp.down_proj"])]
-        for name, rows, k, parts in linears:
-            tensors, lp[name] = _linear(rows, k, fmt, device, parts)
+            linears += [("mlp.gate_up_proj", 2 * cfg.intermediate_size, h, ["mlp.gate_proj", "mlp.up_proj"], fmt),
+                        ("mlp.down_proj", h, cfg.intermediate_size, ["mlp.down_proj"], fmt)]
+        for name, rows, k, parts, f in linears:
+            tensors, lp[name] = _linear(rows, k, f, device, parts)
             w.update({f"{p}{name}.{n}": t for n, t in tensors.items()})
         if cfg.is_moe(li):
             w[f"{p}mlp.gate.weight"] = torch.randn(cfg.n_routed_experts, h, device=device) / h**0.5
@@ -103,40 +112,48 @@ def random_weights(cfg: BeamConfig, fmt: str, device) -> tuple[dict, dict]:
     return w, plan
 
 
-def make_engine(cfg: BeamConfig, fmt: str, device, max_num_tokens: int, graph_sizes) -> Engine:
+def make_engine(cfg: BeamConfig, fmt: str, device, max_num_tokens: int) -> Engine:
+    """CUDA graphs are captured later by the bench itself (so a capture failure is reported
+    without losing the other measurements)."""
     cuda = device.type == "cuda"
     opts = BuildOptions(target="sm90" if cuda else "cpu", max_batch=64 if cuda else 4,
                         max_seq_len=4096 if cuda else 256, max_num_tokens=max_num_tokens,
                         block_size=32 if cuda else 8, kv_memory_gib=1.0 if cuda else 0.01,
-                        cuda_graph_batch_sizes=graph_sizes if cuda else ())
-    weights, plan = random_weights(cfg, fmt, device)
-    return Engine(cfg, weights, plan, opts, kv_plan(cfg, opts, "bf16"), device)
+                        cuda_graph_batch_sizes=(1, 64) if cuda else ())
+    weights, plan = random_weights(cfg, fmt.removesuffix("+gate"), device, fmt.endswith("+gate"))
+    return Engine(cfg, weights, plan, opts, kv_plan(cfg, opts, "bf16"), device, use_cuda_graphs=False)
 
 
 # ---------------------------------------------------------------------------- floors
-def _linear_params(cfg: BeamConfig, i: int) -> tuple[int, int]:
-    """(params of the layer's quantized GEMMs touched per token, router params)."""
+def _linear_params(cfg: BeamConfig, i: int) -> tuple[int, int, int, int]:
+    """Params per token of layer i: (FP8 attention GEMMs, BF16 gate, MLP GEMMs in the format,
+    FP32 router)."""
     h = cfg.hidden_size
-    attn = (cfg.q_size + 2 * cfg.kv_size + cfg.num_attention_heads) * h + h * cfg.q_size
+    attn = (cfg.q_size + 2 * cfg.kv_size) * h + h * cfg.q_size
+    gate = cfg.num_attention_heads * h
     if not cfg.is_moe(i):
-        return attn + 3 * h * cfg.intermediate_size, 0
-    return attn + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size, cfg.n_routed_experts * h
+        return attn, gate, 3 * h * cfg.intermediate_size, 0
+    return attn, gate, cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size, cfg.n_routed_experts * h
 
 
 def decode_bytes(cfg: BeamConfig, fmt: str, i: int, context: int) -> float:
-    """Bytes a batch-1 decode step of layer i must read: weights (scales included), the FP32
+    """Bytes a batch-1 decode step of layer i must read: weights with their scales, the FP32
     router, and the KV of its visible context (BF16 cache)."""
-    params, router = _linear_params(cfg, i)
-    per = 1.0 + 4.0 / 128 if fmt == "fp8" else NVFP4_BYTES  # fp8: + per-row fp32 scales (~)
+    attn, gate, mlp, router = _linear_params(cfg, i)
+    fp8 = 1.0 + 4.0 / cfg.hidden_size  # + one FP32 scale per output row
+    per = fp8 if fmt == "fp8" else NVFP4_BYTES
     visible = context if cfg.is_full(i) else min(context, cfg.sliding_window)
-    return params * per + router * 4 + visible * cfg.kv_size * 2 * 2
+    return attn * fp8 + gate * 2 + mlp * per + router * 4 + visible * cfg.kv_size * 2 * 2
 
 
-def prefill_flops(cfg: BeamConfig, i: int, seqs: int, seq_len: int) -> tuple[float, float, float]:
-    """(quantized GEMM FLOPs, attention FLOPs, FP32 router FLOPs) of one prefill of layer i."""
+def prefill_flops(cfg: BeamConfig, fmt: str, i: int, seqs: int, seq_len: int) -> dict:
+    """FLOPs of one prefill of layer i by the unit that runs them: FP8 tensor cores (W8A8
+    GEMMs), BF16 tensor cores (the gate, W4A16 NVFP4 GEMMs, attention), FP32 (router)."""
     tokens = seqs * seq_len
-    params, router = _linear_params(cfg, i)
+    attn_w, gate, mlp, router = _linear_params(cfg, i)
     w = seq_len if cfg.is_full(i) else cfg.sliding_window
     keys = sum(min(p + 1, w) for p in range(seq_len)) * seqs
-    attn = 4 * keys * cfg.num_attention_heads * cfg.head_dim
-    return 2.0 * tokens * params, float(attn), 2.0 * tokens * router
+    attention = 4.0 * keys * cfg.num_attention_heads * cfg.head_dim
+    fp8 = 2.0 * tokens * (attn_w + (mlp if fmt == "fp8" else 0))
+    bf16 = 2.0 * tokens * (gate + (mlp if fmt != "fp8" else 0)) + attention
+    return {"fp8": fp8, "bf16": bf16, "fp32": 2.0 * tokens * router}

@@ -2,14 +2,15 @@
 same run: device-to-device copy bandwidth (bytes read + written) and the BF16 / FP8 / FP32
 GEMM rates of cuBLAS on random 8192^3 products.
 
-    PYTHONPATH=. python3 bench/kernels.py [--preset beam-1.0-501b] [--out DIR] [--sweep]
+    PYTHONPATH=. python3 bench/kernels.py [--preset beam-1.0-501b] [--out DIR] [--only ...] [--smoke]
 
 Per op it prints our time, the eager PyTorch time (the op's `ref_` on the GPU, or torch's
 SDPA where the reference would materialise the full score matrix), the bytes or FLOPs the op
 must move or do, the achieved rate, and that rate as a share of its ceiling, and it checks the
 output against the reference at that shape. Times are medians of triton.testing.do_bench (L2
-flushed between runs); ops whose cost is launch latency (batch-1 router) are timed as replays
-of a captured CUDA graph, over enough distinct weight sets that they do not stay in L2.
+flushed between runs); decode-path ops (decode attention, batch-1 router / norm / qk_prep) are
+timed as replays of a captured CUDA graph, as the engine runs them (the router over enough
+distinct weight sets that they do not stay in L2). Tile sweeps: bench/kernels_sweep.py.
 If bench/kernels_moe.py exists, its `run(ctx)` adds the MoE / linear rows to the same table.
 """
 
@@ -181,9 +182,11 @@ def bench_attention_decode(cfg, ceil, block_size):
         seen = min(ctx, window - 1) if window else ctx
         work = batch * seen * hkv * d * 2 * case["k_cache"].element_size()
         kind = f"sliding w={window}" if window else f"full bs={block_size}"
+        # Graph replays, as the engine runs decode: eager, the CPU cost of two launches
+        # exceeds the GPU time at batch 1 and the GPU idles between them.
         add_row(f"attention decode {kind}", f"B={batch} ctx={ctx} kv={str(kv)[6:]}",
-                time_us(ours), time_us(lambda: ref_attention(**case)), work, "GB/s",
-                ceil["copy_GBps"], f"rel {rel_err(got, want):.1e}")
+                time_graph_us(ours), time_us(lambda: ref_attention(**case)), work, "GB/s",
+                ceil["copy_GBps"], f"rel {rel_err(got, want):.1e}", "ours: graph replay")
 
 
 def bench_attention_prefill(cfg, ceil, block_size):
@@ -249,31 +252,6 @@ def bench_router(cfg, ceil):
                     "TFLOP/s", ceil["fp32_TFLOPs"], check, "ceiling: cuBLAS FP32 GEMM")
 
 
-# ----------------------------------------------------------------------------- sweep
-def sweep_decode(cfg, ceil, block_size):
-    """Decode attention at B=1, 128K over tile / pipeline / split choices; prints the best."""
-    from plugins._attention_decode import launch_decode
-
-    case = paged_decode_case(cfg, 1, SIZES["long_ctx"], block_size, BF16)
-    args = {k: v for k, v in case.items() if k != "cu_seqlens_q"}
-    work = SIZES["long_ctx"] * cfg.num_key_value_heads * cfg.head_dim * 4
-    results = []
-    grid = [dict(BLOCK_N=n, num_stages=s, num_warps=w, programs_per_sm=p)
-            for n in (32, 64, 128) for s in (2, 3, 4) for w in (4, 8) for p in (1, 2, 4)]
-    for conf in grid[:2] if SMOKE else grid:
-        try:
-            us = time_us(lambda: launch_decode(**args, config=conf))
-        except triton.runtime.errors.OutOfResources as exc:  # too much shared memory: skip
-            print(f"  sweep {conf}: {exc}", flush=True)
-            continue
-        results.append((us, conf))
-    results.sort(key=lambda r: r[0])
-    for us, conf in results[:5]:
-        print(f"  sweep decode {conf}: {us:.1f} us, {work / us / 1e3:.0f} GB/s "
-              f"({100 * work / us / 1e3 / ceil['copy_GBps']:.1f}%)", flush=True)
-    return [dict(us=us, **conf) for us, conf in results]
-
-
 def table(ceil) -> str:
     lines = ["| op | shape | ours (µs) | eager (µs) | speed-up | achieved | ceiling | "
              "% of ceiling | check vs ref | note |",
@@ -295,7 +273,6 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="beam-1.0-501b")
     parser.add_argument("--block-size", type=int, default=64, help="KV block size of full layers")
     parser.add_argument("--out", type=Path, help="write table.md and results.json here")
-    parser.add_argument("--sweep", action="store_true", help="also sweep decode-attention configs")
     parser.add_argument("--only", default="",
                         help="comma list of: norms,qk_prep,decode,prefill,router,moe")
     parser.add_argument("--smoke", action="store_true",
@@ -331,7 +308,6 @@ def main(argv=None) -> int:
         ctx = SimpleNamespace(cfg=cfg, ceilings=ceil, device=DEV, smoke=SMOKE, time_us=time_us,
                               time_graph_us=time_graph_us, add_row=add_row, rel_err=rel_err)
         kernels_moe.run(ctx)
-    sweep = sweep_decode(cfg, ceil, opts.block_size) if opts.sweep else []
     text = table(ceil)
     print("\n" + text)
     print(f"total {time.time() - t0:.0f} s")
@@ -339,7 +315,7 @@ def main(argv=None) -> int:
         opts.out.mkdir(parents=True, exist_ok=True)
         (opts.out / "table.md").write_text(text + "\n")
         (opts.out / "results.json").write_text(json.dumps(
-            dict(ceilings=ceil, rows=ROWS, decode_sweep=sweep, device=name),
+            dict(ceilings=ceil, rows=ROWS, device=name),
             indent=1))
     return 0
 

@@ -1,6 +1,7 @@
 """MoE and linear rows of the kernel benchmark at Beam-1.0 shapes (H=5120, I=2560, E=256, top-8).
 
-    PYTHONPATH=. python3 bench/kernels_moe.py [--preset beam-1.0-501b] [--out DIR] [--sweep]
+    PYTHONPATH=. python3 bench/kernels_moe.py [--preset beam-1.0-501b] [--out DIR]
+        [--sweep fp8:1,nvfp4:1,fp8:16384] [--formats fp8,nvfp4] [--no-eager] [--no-linear]
 
 bench/kernels.py imports `run(ctx)` and prints these rows in its table; run alone, this script
 measures the same ceilings with bench/kernels.py's `measure_ceilings` and prints the same table.
@@ -116,7 +117,7 @@ def bench_moe_format(ctx, fmt: str, tokens=(1, 16, 16384)) -> list[dict]:
                   "a2_scale": torch.tensor(H_AMAX / 448, device=DEV)}
         args = moe_args(fmt, x, ids, w, packed, scales)
         status = check(ctx, fmt, op(*args), ref(*args))
-        eager = ctx.time_us(lambda: ref(*args))
+        eager = ctx.time_us(lambda: ref(*args)) if ctx.eager else 0.0
         shape = f"T={t} H={cfg.hidden_size} I={cfg.moe_intermediate_size} E={cfg.n_routed_experts} k=8"
         if t <= 64:
             ours = ctx.time_graph_us(lambda: op(*args))
@@ -138,6 +139,9 @@ def bench_moe_format(ctx, fmt: str, tokens=(1, 16, 16384)) -> list[dict]:
             ctx.add_row(f"moe_{fmt} prefill", shape, ours, eager, flops, "TFLOP/s", ceil[key],
                         status, note)
             results.append(dict(fmt=fmt, t=t, us=ours, pct=100 * flops / ours / 1e6 / ceil[key]))
+        if t in (1, 16384):
+            print(f"  breakdown moe_{fmt} T={t} (us per call): "
+                  f"{kernel_breakdown(fmt, args, reps=20 if t == 1 else 5)}", flush=True)
     del packed
     torch.cuda.empty_cache()
     return results
@@ -170,11 +174,11 @@ def bench_linear(ctx, tokens=(1, 16384)) -> None:
             args = tuple(a.to(DEV) for a in args)
             fast = getattr(mod, f"linear_{fmt}_triton")
             ref = getattr(mod, f"ref_linear_{fmt}")
-            status = check(ctx, fmt, fast(*args, **extra), ref(*args), what="linear")
+            what = "linear-fp8-mma" if fmt.startswith("fp8") and DEV == "cuda" else "linear"
+            status = check(ctx, fmt, fast(*args, **extra), ref(*args), what=what)
             name = f"linear_{fmt}" + (" (triton)" if extra else " (_scaled_mm)" if fmt == "fp8" else "")
-            timer = ctx.time_graph_us if t == 1 else ctx.time_us
-            ours = timer(lambda: fast(*args, **extra))
-            eager = timer(lambda: ref(*args))
+            ours = (ctx.time_graph_us if t == 1 else ctx.time_us)(lambda: fast(*args, **extra))
+            eager = ctx.time_us(lambda: ref(*args)) if ctx.eager else 0.0  # not capturable
             if t == 1:
                 work = sum(a.numel() * a.element_size() for a in args[1:])
                 ctx.add_row(name, f"T=1 [{cfg.hidden_size} -> {n}]", ours, eager, work, "GB/s",
@@ -197,15 +201,15 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
     launch = getattr(MOE[fmt], f"moe_{fmt}_triton")
     decode = t <= 64
     timer = ctx.time_graph_us if decode else ctx.time_us
-    if decode:
-        grid13 = [GemmConfig(16, bn, bk, 4, ns) for bn in (16, 32, 64) for bk in (128, 256)
-                  for ns in (3, 5)]
-        down = [(bn, bk, 4, ns) for bn in (32, 64, 128) for bk in (128, 256) for ns in (3, 5)]
-        default2 = (64, 128, 4, 4)
+    if decode:  # weights on the MMA's M side (swap); block_n >= 64 (one warpgroup's M)
+        shapes = ((64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 4), (64, 64, 4))
+        grid13 = [GemmConfig(16, bn, bk, nw, 4, swap=True) for bn, bk, nw in shapes]
+        down = [(bn, bk, nw, 4, 8, True) for bn, bk, nw in shapes]
+        default2 = (64, 128, 4, 4, 8, True)
     else:
-        grid13 = [GemmConfig(bm, bn, bk, 8, ns) for bm in (64, 128) for bn in (64, 128)
-                  for bk in (64, 128) for ns in (3, 4)]
-        down = [(bn, bk, 8, ns) for bn in (128, 256) for bk in (64, 128) for ns in (3, 4)]
+        grid13 = [GemmConfig(*c) for c in ((128, 64, 128, 8, 3), (128, 64, 128, 8, 4),
+                                           (128, 128, 64, 8, 3), (128, 128, 128, 8, 3, 8, True))]
+        down = [(128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3)]
         default2 = (128, 128, 8, 3)
     found, best13 = [], None
     for stage in ("gate/up", "down"):
@@ -228,15 +232,19 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
     return found
 
 
-def run(ctx, sweep_too: bool = False) -> dict:
+def run(ctx, sweep_cases=()) -> dict:
     """Entry point for bench/kernels.py (ctx: cfg, ceilings, time_us, time_graph_us, add_row,
     rel_err)."""
     out = {"moe": [], "sweep": [], "failed": []}
-    steps = [(f"moe_{fmt}", bench_moe_format, (fmt,)) for fmt in MOE]
-    steps.append(("linear", bench_linear, ()))
-    if sweep_too:
-        steps += [(f"sweep {fmt} T={t}", sweep, (fmt, t)) for fmt, t in
-                  (("fp8", 1), ("nvfp4", 1), ("fp8", 16384))]
+    if not hasattr(ctx, "eager"):  # bench/kernels.py's context: time the references too
+        ctx.eager = True
+    formats = getattr(ctx, "formats", None) or list(MOE)
+    steps = [(f"moe_{fmt}", bench_moe_format, (fmt,)) for fmt in formats]
+    if getattr(ctx, "linear", True):
+        steps.append(("linear", bench_linear, ()))
+    for case in sweep_cases:
+        fmt, t = case.split(":")
+        steps.append((f"sweep {fmt} T={t}", sweep, (fmt, int(t))))
     for name, fn, args in steps:
         try:
             result = fn(ctx, *args)
@@ -247,7 +255,7 @@ def run(ctx, sweep_too: bool = False) -> dict:
             continue
         if name.startswith("moe_"):
             out["moe"] += result
-        elif name.startswith("sweep"):
+        elif name.startswith("sweep") and result:
             out["sweep"] += [(name, s, us, str(a), str(b)) for s, us, a, b in result]
         torch.cuda.empty_cache()
     return out
@@ -263,7 +271,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="beam-1.0-501b")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes")
+    parser.add_argument("--sweep", default="", help="launch-shape sweeps, e.g. fp8:1,nvfp4:1,fp8:16384")
+    parser.add_argument("--formats", default="", help="comma list of moe formats (default all)")
+    parser.add_argument("--no-eager", action="store_true", help="skip timing the references")
+    parser.add_argument("--no-linear", action="store_true")
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels_moe.py needs a CUDA GPU", file=sys.stderr)
@@ -274,9 +285,11 @@ def main(argv=None) -> int:
     ceil = kb.measure_ceilings()
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
     ctx = SimpleNamespace(cfg=preset(opts.preset), ceilings=ceil, time_us=kb.time_us,
-                          time_graph_us=kb.time_graph_us, add_row=kb.add_row, rel_err=kb.rel_err)
-    out = run(ctx, sweep_too=opts.sweep)
-    kb.print_table(ceil)
+                          time_graph_us=kb.time_graph_us, add_row=kb.add_row, rel_err=kb.rel_err,
+                          eager=not opts.no_eager, linear=not opts.no_linear,
+                          formats=[f for f in opts.formats.split(",") if f])
+    out = run(ctx, sweep_cases=[c for c in opts.sweep.split(",") if c])
+    print(kb.table(ceil) if hasattr(kb, "table") else kb.print_table(ceil))
     print(f"total {time.time() - t0:.0f} s")
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)

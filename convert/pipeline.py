@@ -185,7 +185,22 @@ def _stream(src, plan, writer: Writer, calib, opts) -> None:
     writer.commit()
 
 
+def _fixed_mmap_threshold() -> None:
+    """glibc raises its mmap threshold to the size of the last freed large block (up to 32 MB),
+    after which 26 MB expert buffers come from per-thread heaps that are not returned to the OS,
+    so RSS creeps up with the number of tensors converted. A fixed threshold keeps every
+    tensor-sized buffer in its own mapping, unmapped on free: RSS stays flat."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB (also disables the dynamic rule)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
 def convert(in_dir: str | Path, out_dir: str | Path, opts: ConvertOptions) -> Path:
+    _fixed_mmap_threshold()
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit must raise EFBIG, not kill the process
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if opts.device == "cuda" and not torch.cuda.is_available():

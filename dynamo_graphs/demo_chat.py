@@ -1,6 +1,6 @@
 """`make demo`'s last step: `beam-trt serve GRAPH`, one chat request through the frontend, Ctrl-C.
 
-    python -m dynamo_graphs.demo_chat dynamo_graphs/disagg.yaml --engine-dir out/demo/engine
+    python -m dynamo_graphs.demo_chat dynamo_graphs/disagg.yaml --engine-dir out/demo/tiny-nvfp4-engine
 
 Runs the real CLI in a child process, waits for its "ready: URL" line (bounded), streams one
 chat completion with the `openai` client, then sends SIGINT as a user's Ctrl-C would and

@@ -16,10 +16,13 @@ import triton.language as tl
 
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
                                softmax_step)
-from ._common import cast_rne, is_fp8, next_pow2
+from ._common import cast_rne, is_fp8, next_pow2, sm_count
 
-# Tile and pipeline choice for the split kernel; bench/kernels.py sweeps these on the H200.
-DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256)
+# Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
+# 128-key tiles for long contexts, 64 for short ones (a 512-slot ring: fewer idle lanes), and
+# 3 programs per SM for FP8 caches (more loads in flight for half the bytes per key).
+DECODE_CONFIG = dict(BLOCK_N=128, BLOCK_N_SHORT=64, short_capacity=2048, num_warps=4,
+                     num_stages=3, programs_per_sm=2, programs_per_sm_fp8=3, min_split=256)
 
 
 @triton.jit
@@ -118,11 +121,9 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
 def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device,
                programs_per_sm: int, min_split: int) -> int:
     """Enough programs to fill the GPU, but no split shorter than `min_split` keys of the
-    longest context the cache can address (`capacity`, a shape, not data)."""
-    sms = 4  # the interpreter: a few splits, so the CPU tests exercise the merge
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(programs_per_sm * sms, batch * hkv)
+    longest context the cache can address (`capacity`, a shape, not data). On the CPU
+    (interpreter) sm_count is 4: a few splits, so the tests exercise the merge."""
+    want = triton.cdiv(programs_per_sm * sm_count(device), batch * hkv)
     return max(1, min(want, triton.cdiv(capacity, max(min_split, block_n))))
 
 
@@ -132,8 +133,11 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
     b, hq, d = q.shape
     hkv, block_size, m = k_new.shape[1], k_cache.shape[1], cache_index.shape[1]
     g = hq // hkv
-    splits = cfg.get("splits") or num_splits(b, hkv, m * block_size, cfg["BLOCK_N"], q.device,
-                                             cfg["programs_per_sm"], cfg["min_split"])
+    capacity = m * block_size  # the longest context the cache index can address (a shape)
+    block_n = cfg["BLOCK_N"] if capacity > cfg["short_capacity"] else cfg["BLOCK_N_SHORT"]
+    per_sm = cfg["programs_per_sm_fp8" if is_fp8(k_cache.dtype) else "programs_per_sm"]
+    splits = cfg.get("splits") or num_splits(b, hkv, capacity, block_n, q.device, per_sm,
+                                             cfg["min_split"])
     part_o = q.new_empty(b, hkv, splits, g, d, dtype=torch.float32)
     part_m = q.new_empty(b, hkv, splits, g, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
@@ -141,10 +145,10 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
     _decode_split_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, q_start, hist_start, cache_index, k_scale, v_scale,
         part_o, part_m, part_l, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        m, block_size,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window, LOG2E / d**0.5,
-        HQ=hq, HKV=hkv, G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"],
-        NUM_SPLITS=splits, IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype),
+        m, block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window,
+        LOG2E / d**0.5, HQ=hq, HKV=hkv, G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d,
+        BLOCK_N=block_n, NUM_SPLITS=splits, IS_FP8=is_fp8(k_cache.dtype),
+        DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = q.new_empty(b, hq * d)
     _decode_combine_kernel[(b, hkv)](

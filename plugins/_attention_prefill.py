@@ -20,7 +20,7 @@ from ._common import cast_rne, is_fp8, next_pow2
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU; the interpreter gets small tiles so
 # that the CPU tests spend their time on the shapes that matter, not on padding.
-PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)  # H200 sweep
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
@@ -87,7 +87,22 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, kc_ptr, vc_ptr, cu
             m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
         if IS_FP8:
             acc = acc * tl.load(vs_ptr)
-        for j0 in range(tl.maximum(lo, start), p_last + 1, BLOCK_N):  # this chunk's own keys
+        # This chunk's own keys. On full layers the tiles below the tile's first query are
+        # visible to every row: no mask there, only on the diagonal tiles.
+        new_lo = tl.maximum(lo, start)
+        mid = new_lo
+        if window == 0:
+            mid = new_lo + ((p_first + 1 - new_lo) // BLOCK_N) * BLOCK_N
+        for j0 in range(new_lo, mid, BLOCK_N):
+            rows = (seq_lo + j0 - start + tl.arange(0, BLOCK_N)).to(tl.int64)
+            d_ok = d[None, :] < D
+            k = tl.load(kn_ptr + rows[:, None] * stride_kn + h * stride_knh + d[None, :],
+                        mask=d_ok, other=0.0)
+            v = tl.load(vn_ptr + rows[:, None] * stride_vn + h * stride_vnh + d[None, :],
+                        mask=d_ok, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+        for j0 in range(mid, p_last + 1, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             valid = j <= p_last
             rows = (seq_lo + j - start).to(tl.int64)

@@ -81,6 +81,20 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached: the query is not free); 4 for the CPU, where
+    kernels run in the interpreter and a small persistent grid still exercises the loops."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
 def _fix_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter holds scalar kernel arguments as 1-element arrays and turns
     them into loop bounds with `int(array)`, which NumPy >= 2.3 refuses for 1-d arrays, so

@@ -34,6 +34,7 @@ from .registry import PluginError
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
+ONE_PROGRAM_ALIGN = 4096  # up to this many pairs the token sort is one program (one launch)
 
 
 # ---------------------------------------------------------------------------- input checks
@@ -72,20 +73,29 @@ def ref_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    quant13: Callable[[torch.Tensor], torch.Tensor] = lambda a: a,
-    quant2: Callable[[torch.Tensor], torch.Tensor] = lambda a: a,
+    quant13: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    quant2: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """reference.py's BeamMoE.forward given the routing: `expert(e)` returns that expert's
-    (w13 [2I, H], w2 [H, I]) dequantized to x.dtype; quant13 / quant2 are what the kernel's
-    activation quantizer does to the GEMM inputs (identity for BF16 and W4A16)."""
+    """reference.py's BeamMoE.forward given the routing; `expert(e)` returns that expert's
+    (w13 [2I, H], w2 [H, I]).
+
+    Unquantized (no quantizers, weights in x.dtype): BeamMoE op for op. Quantized formats
+    (weights decoded to FP32, quant13 / quant2 = the kernel's activation quantizers, identity
+    for W4A16): the GEMMs run in FP32 on the exactly decoded values, as the tensor cores do,
+    and every module output (gate, up, silu, h, y) is rounded to x.dtype as in BeamMoE. With
+    FP32 activations this is BeamMoE on the decoded weights exactly; with BF16 it differs from
+    a BF16 BeamMoE only by BeamMoE's own rounding of the decoded weights to BF16."""
+    quantized = quant13 is not None
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
         w13, w2 = expert(e)
         inner = w13.shape[0] // 2
-        xe = quant13(x[token])
-        h = F.silu(F.linear(xe, w13[:inner])) * F.linear(xe, w13[inner:])
-        y = F.linear(quant2(h), w2)
+        xe = quant13(x[token].float()) if quantized else x[token]
+        gate = F.linear(xe, w13[:inner]).to(x.dtype)
+        up = F.linear(xe, w13[inner:]).to(x.dtype)
+        h = F.silu(gate) * up
+        y = F.linear(quant2(h.float()) if quantized else h, w2).to(x.dtype)
         out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
     return out.to(x.dtype)
 
@@ -132,6 +142,45 @@ def _align_kernel(ids_ptr, numel, sorted_ptr, block_expert_ptr, num_rows_ptr, cu
         tl.store(sorted_ptr + row, offs, mask=mask)
 
 
+@triton.jit
+def _count_kernel(ids_ptr, numel, counts_ptr, sorted_ptr, max_rows, E: tl.constexpr,
+                  BINS: tl.constexpr, CHUNK: tl.constexpr):
+    # Many programs (prefill): histogram of one chunk of pairs into the zeroed counts, and the
+    # sentinel fill of the same range of sorted rows.
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E).to(tl.int32)
+    bins = tl.arange(0, BINS)
+    tl.atomic_add(counts_ptr + bins, tl.histogram(ids, BINS), mask=bins < E)
+    tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + numel, mask=offs < max_rows)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, numel, counts_ptr, fill_ptr, sorted_ptr, block_expert_ptr,
+                    num_rows_ptr, max_blocks, E: tl.constexpr, BINS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr):
+    # Every program derives the padded layout from the counts (E values), writes its share of
+    # the block -> expert map, then places its chunk of pairs at start[e] + (atomic) rank.
+    pid = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    if pid == 0:
+        tl.store(num_rows_ptr, total)
+    blocks = pid * NB + tl.arange(0, NB)
+    first_row = blocks * BLOCK_M
+    expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + blocks, tl.where(first_row < total, expert, -1),
+             mask=blocks < max_blocks)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    rank = tl.atomic_add(fill_ptr + ids, 1, mask=mask)
+    start = tl.gather(ends - padded, ids, 0)
+    tl.store(sorted_ptr + start + rank, offs, mask=mask)
+
+
 @dataclass
 class Routing:
     """Where each (token, expert) pair goes in the grouped GEMMs (see the module docstring)."""
@@ -162,10 +211,22 @@ def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, direct:
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     bins = triton.next_power_of_2(num_experts + 1)
-    cursor = torch.empty(bins, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](ids, numel, sorted_slots, block_expert, num_rows, cursor, rows,
-                        rows // block_m, E=num_experts, BINS=bins, BLOCK_M=block_m, CHUNK=1024,
-                        NB=max(16, 8192 // bins), num_warps=8)
+    nb = max(16, 8192 // bins)
+    if numel <= ONE_PROGRAM_ALIGN:  # one launch: decode batches
+        cursor = torch.empty(bins, dtype=torch.int32, device=dev)
+        _align_kernel[(1,)](ids, numel, sorted_slots, block_expert, num_rows, cursor, rows,
+                            rows // block_m, E=num_experts, BINS=bins, BLOCK_M=block_m,
+                            CHUNK=1024, NB=nb, num_warps=8)
+    else:  # prefill: count, then scatter, over many programs (one program took 0.7 ms at 128K)
+        counts = torch.zeros(2 * bins, dtype=torch.int32, device=dev)  # counts, then cursors
+        chunk = 1024
+        _count_kernel[(triton.cdiv(max(numel, rows), chunk),)](
+            ids, numel, counts, sorted_slots, rows, E=num_experts, BINS=bins, CHUNK=chunk,
+            num_warps=4)
+        grid = max(triton.cdiv(numel, chunk), triton.cdiv(rows // block_m, nb))
+        _scatter_kernel[(grid,)](ids, numel, counts, counts[bins:], sorted_slots, block_expert,
+                                 num_rows, rows // block_m, E=num_experts, BINS=bins,
+                                 BLOCK_M=block_m, CHUNK=chunk, NB=nb, num_warps=4)
     return Routing(False, block_m, rows // block_m, rows, ids, sorted_slots, block_expert, num_rows)
 
 
@@ -216,6 +277,57 @@ def silu_mul(gate, up, dtype: tl.constexpr):
     return round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
 
 
+@triton.jit
+def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def mma(acc, a, w, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ w^T (a [BM, BK] tokens, w [BN, BK] weights; acc [BM, BN]), or with SWAP
+    acc + w @ a^T (acc [BN, BM]): the weights fill the MMA's 64-row M side, so a block of a
+    few tokens (decode) still runs on full tensor-core tiles fed from shared memory."""
+    if SWAP:
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def mma_fp8(acc, a, w, SWAP: tl.constexpr, PROMOTE: tl.constexpr):
+    """`mma` for FP8 operands; the tensor-core partial sums are promoted to the FP32
+    accumulator every PROMOTE (= BLOCK_K) products (Hopper's FP8 MMA accumulates with reduced
+    precision, and Triton's default would never promote)."""
+    if SWAP:
+        acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
+    return acc
+
+
+@triton.jit
+def outer(row_scale, col_scale, SWAP: tl.constexpr):
+    """row_scale [BM] x col_scale [BN] in the accumulator's orientation."""
+    if SWAP:
+        out = col_scale[:, None] * row_scale[None, :]
+    else:
+        out = row_scale[:, None] * col_scale[None, :]
+    return out
+
+
+@triton.jit
+def unswap(acc, SWAP: tl.constexpr):
+    """The accumulator as [BM, BN] (tokens x channels) for the epilogue."""
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
+
+
 # ---------------------------------------------------------------------------- combine
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr):
@@ -246,22 +358,24 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, t: int) -> torch.Tensor
 # ---------------------------------------------------------------------------- launch shapes
 @dataclass(frozen=True)
 class GemmConfig:
-    block_m: int
-    block_n: int
+    block_m: int  # token rows of a block (one expert's)
+    block_n: int  # weight rows (output channels; for gate/up: of each of gate and up)
     block_k: int
     num_warps: int
     num_stages: int
     group_m: int = 8
+    swap: bool = False  # weights on the MMA's M side (see `mma`)
 
 
 def default_config(numel: int, num_experts: int, gated: bool, block_k: int = 128) -> GemmConfig:
-    """Decode (few pairs): one pair per 16-row block, narrow weight tiles so that enough
-    programs stream the 8 experts' weights at once. Prefill: 64/128-row blocks."""
+    """Decode (few pairs): one pair per 16-row block, weights on the MMA's 64-row side (swap)
+    so the tensor cores read the weight tiles straight from shared memory. Prefill: 64/128-row
+    token blocks."""
     if numel <= DIRECT_MAX_PAIRS:
-        return GemmConfig(16, 32 if gated else 64, block_k, 4, 4)
+        return GemmConfig(16, 64, block_k, 4, 4, swap=True)
     rows_per_expert = numel / num_experts  # mean; padding wastes up to block_m - 1 per expert
     if rows_per_expert < 8:
-        return GemmConfig(16, 32 if gated else 64, block_k, 4, 4)
+        return GemmConfig(16, 64, block_k, 4, 4, swap=True)
     if rows_per_expert < 96:
         return GemmConfig(64, 64, block_k, 4, 4)
     return GemmConfig(128, 64 if gated else 128, block_k, 8, 3)

@@ -35,24 +35,28 @@ def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr,
+def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, T,
                         stride_h, stride_y, stride_ho, stride_x, H, a, b, eps,
-                        BLOCK_H: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < H
-    h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-    w_post = tl.load(wpost_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    w_pre = tl.load(wpre_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
+    # Persistent over tiles of ROWS rows, like beam::rmsnorm's kernel.
+    cols = tl.arange(0, BLOCK_H)[None, :]
+    w_post = tl.load(wpost_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    w_pre = tl.load(wpre_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     dtype = hout_ptr.dtype.element_ty
-    inv_rms_y = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / H + eps)
-    y_n = cast_rne(y * inv_rms_y * w_post, y_ptr.dtype.element_ty).to(tl.float32)
-    h_new = cast_rne(a * h + b * y_n, dtype)
-    tl.store(hout_ptr + row * stride_ho + cols, h_new, mask=mask)
-    h_new = h_new.to(tl.float32)  # the next norm reads the rounded stream, as the model does
-    inv_rms_h = 1.0 / tl.sqrt_rn(tl.sum(h_new * h_new, axis=0) / H + eps)
-    tl.store(x_ptr + row * stride_x + cols, cast_rne(h_new * inv_rms_h * w_pre, dtype), mask=mask)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0),
+                         num_stages=STAGES):
+        rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        mask = (rows < T) & (cols < H)
+        h = tl.load(h_ptr + rows * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + rows * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        inv_rms_y = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=1) / H + eps)
+        y_n = cast_rne(y * inv_rms_y[:, None] * w_post, y_ptr.dtype.element_ty).to(tl.float32)
+        h_new = cast_rne(a * h + b * y_n, dtype)
+        tl.store(hout_ptr + rows * stride_ho + cols, h_new, mask=mask)
+        h_new = h_new.to(tl.float32)  # the next norm reads the rounded stream, as the model does
+        inv_rms_h = 1.0 / tl.sqrt_rn(tl.sum(h_new * h_new, axis=1) / H + eps)
+        x = cast_rne(h_new * inv_rms_h[:, None] * w_pre, dtype)
+        tl.store(x_ptr + rows * stride_x + cols, x, mask=mask)
 
 
 @register(OP, "triton")
@@ -61,10 +65,10 @@ def _launch_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
     h_new, x = torch.empty_like(h), torch.empty_like(h)
     if t == 0:
         return h_new, x
-    block, warps = row_launch_params(hidden)
-    _add_rmsnorm_kernel[(t,)](h, y, w_post, w_pre, h_new, x, h.stride(0), y.stride(0),
-                              h_new.stride(0), x.stride(0), hidden, a, b, eps,
-                              BLOCK_H=block, num_warps=warps)
+    grid, p = row_launch_params(t, hidden, h.device)
+    _add_rmsnorm_kernel[(grid,)](
+        h, y, w_post, w_pre, h_new, x, t, h.stride(0), y.stride(0), h_new.stride(0),
+        x.stride(0), hidden, a, b, eps, **p)
     return h_new, x
 
 

@@ -1,6 +1,8 @@
 """beam::group_router — DeepSeek-V3 group-limited routing, entirely in FP32.
 
     s  = sigmoid(x · Wᵀ)                         x upcast to FP32, W FP32          [T, E]
+         (<= 4 tokens: FP32 FMAs; more: 3xTF32 tensor-core products, whose error is of
+          FP32's order; see docs/BENCHMARKS.md for the ids matched at 16K tokens)
     sb = s + bias                                 selection only
     group_score[g] = sum of the 2 largest sb of group g (n_group contiguous groups)
     keep the topk_group groups with the largest group_score
@@ -44,35 +46,45 @@ def ref_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, BLOCK_T: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr):
+                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
+                          USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Partial logits [SPLIT, T, E]: split s sums channels [s*per, (s+1)*per) (split-K spreads a
+    batch-1 GEMV over more SMs; the selection kernel adds the splits in a fixed order)."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(2)
+    per = tl.cdiv(tl.cdiv(H, SPLIT), BLOCK_H) * BLOCK_H
+    h_hi = tl.minimum(split * per + per, H)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(split * per, h_hi, BLOCK_H):
         hh = h0 + tl.arange(0, BLOCK_H)
         x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + hh[None, :],
-                    mask=(t[:, None] < T) & (hh[None, :] < H), other=0.0).to(tl.float32)
+                    mask=(t[:, None] < T) & (hh[None, :] < h_hi), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + e[:, None].to(tl.int64) * H + hh[None, :],
-                    mask=(e[:, None] < E) & (hh[None, :] < H), other=0.0)
-        if USE_DOT:  # many tokens: FP32 (not TF32) matrix product
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                    mask=(e[:, None] < E) & (hh[None, :] < h_hi), other=0.0)
+        if USE_DOT:  # many tokens: FP32-accurate matrix product (IEEE or 3xTF32)
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
         else:  # a few tokens: a GEMV, bound by reading W once
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    tl.store(out_ptr + t[:, None].to(tl.int64) * E + e[None, :], acc,
+    out = out_ptr + split.to(tl.int64) * T * E
+    tl.store(out + t[:, None].to(tl.int64) * E + e[None, :], acc,
              mask=(t[:, None] < T) & (e[None, :] < E))
 
 
 @triton.jit
-def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale,
+def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, split_stride,
                           E: tl.constexpr, NG: tl.constexpr, EPG: tl.constexpr,
                           TOPK_GROUP: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
-                          NG_P2: tl.constexpr, EPG_P2: tl.constexpr, K_P2: tl.constexpr):
+                          SPLIT: tl.constexpr, NG_P2: tl.constexpr, EPG_P2: tl.constexpr,
+                          K_P2: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, NG_P2)
     j = tl.arange(0, EPG_P2)[None, :]
     valid = (g[:, None] < NG) & (j < EPG)
     expert = g[:, None] * EPG + j  # [NG_P2, EPG_P2], group-major like the reference's view
-    logit = tl.load(logits_ptr + t * E + expert, mask=valid, other=0.0)
+    logit = tl.zeros([NG_P2, EPG_P2], tl.float32)
+    for s in tl.static_range(SPLIT):
+        logit += tl.load(logits_ptr + s * split_stride + t * E + expert, mask=valid, other=0.0)
     s = 1.0 / (1.0 + tl.exp(-logit))
     sb = tl.where(valid, s + tl.load(bias_ptr + expert, mask=valid, other=0.0), float("-inf"))
     # group score: the two best biased scores of each group
@@ -101,12 +113,21 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale,
     tl.store(weights_ptr + t * K + slots, chosen_w * scale, mask=slots < K)
 
 
+# Logits kernel shapes: for a few tokens a GEMV over experts (and channels: SPLIT), since
+# batch-1 decode reads 5 MB of FP32 weight and must spread it over many SMs; tiles otherwise.
+# Chosen by the H200 sweep in bench/kernels_sweep.py.
+# "many" multiplies in 3xTF32 (each FP32 operand split into a TF32 high and low part, three
+# tensor-core products): FP32-level accuracy at 2.7x the speed of cuBLAS' FP32 GEMM on the H200.
+ROUTER_CONFIG = {
+    "few": dict(BLOCK_E=2, BLOCK_H=1024, SPLIT=5, num_warps=4),
+    "many": dict(BLOCK_T=128, BLOCK_E=64, BLOCK_H=32, SPLIT=1, DOT_PREC="tf32x3", num_warps=4),
+}
+
+
 def logits_launch_params(t: int) -> dict:
-    """Block shape of the logits kernel: a GEMV split over experts for a few tokens
-    (batch-1 decode reads 5 MB of FP32 weight: spread it over many SMs), tiles otherwise."""
     if t <= 4:
-        return dict(BLOCK_T=next_pow2(t), BLOCK_E=2, BLOCK_H=2048, USE_DOT=False, num_warps=4)
-    return dict(BLOCK_T=32, BLOCK_E=64, BLOCK_H=32, USE_DOT=True, num_warps=4)
+        return dict(ROUTER_CONFIG["few"], BLOCK_T=next_pow2(t), USE_DOT=False, DOT_PREC="ieee")
+    return dict(ROUTER_CONFIG["many"], USE_DOT=True)
 
 
 @register(OP, "triton")
@@ -118,14 +139,14 @@ def _launch_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
     weights = x.new_empty(t, k, dtype=torch.float32)
     if t == 0:
         return ids, weights
-    logits = x.new_empty(t, e, dtype=torch.float32)
     p = logits_launch_params(t)
-    grid = (triton.cdiv(e, p["BLOCK_E"]), triton.cdiv(t, p["BLOCK_T"]))
+    logits = x.new_empty(p["SPLIT"], t, e, dtype=torch.float32)
+    grid = (triton.cdiv(e, p["BLOCK_E"]), triton.cdiv(t, p["BLOCK_T"]), p["SPLIT"])
     _router_logits_kernel[grid](x, weight, logits, t, e, h, x.stride(0), **p)
     epg = e // n_group
     _router_select_kernel[(t,)](
-        logits, bias, ids, weights, routed_scaling_factor, E=e, NG=n_group, EPG=epg,
-        TOPK_GROUP=topk_group, K=k, RENORM=renormalize, NG_P2=next_pow2(n_group),
+        logits, bias, ids, weights, routed_scaling_factor, t * e, E=e, NG=n_group, EPG=epg,
+        TOPK_GROUP=topk_group, K=k, RENORM=renormalize, SPLIT=p["SPLIT"], NG_P2=next_pow2(n_group),
         EPG_P2=next_pow2(epg), K_P2=next_pow2(k), num_warps=1 if e <= 256 else 4)
     return ids, weights
 

@@ -21,7 +21,7 @@ from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
 
 from ._checks import _expect, check_device, check_linear_x, check_tensor
 from ._fp8_act import quant_fp8_per_tensor
-from ._moe_common import round_to, tile_of
+from ._moe_common import acc_zeros, mma_fp8, round_to, tile_of, unswap
 from ._tiles import linear_config
 from .registry import dispatch, register
 
@@ -43,8 +43,8 @@ def check_linear_fp8(x, weight, weight_scale, input_scale):
 @register(OP, "reference")
 def ref_linear_fp8(x, weight, weight_scale, input_scale):
     check_linear_fp8(x, weight, weight_scale, input_scale)
-    xq = fake_quant_fp8_activation(x, input_scale)
-    return F.linear(xq, dequantize_fp8(weight, weight_scale, x.dtype))
+    xq = fake_quant_fp8_activation(x.float(), input_scale)  # FP32 math on exact decoded values
+    return F.linear(xq, dequantize_fp8(weight, weight_scale)).to(x.dtype)
 
 
 @torch.library.custom_op("beam::linear_fp8", mutates_args=())
@@ -62,29 +62,29 @@ def _(x, weight, weight_scale, input_scale):
 # ---------------------------------------------------------------------------- triton
 @triton.jit
 def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                       stride_ws, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       stride_ws, stride_ym, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # FP8 x FP8 products, promoted to FP32 every BLOCK_K (Hopper's FP8 MMA accumulates with
-    # reduced precision), then * input_scale * weight_scale[n] (stride_ws = 0
-    # broadcasts a per-tensor weight scale).
+    # reduced precision), then * input_scale * weight_scale[n] (stride_ws = 0 broadcasts a
+    # per-tensor weight scale).
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = mma_fp8(acc, a, w, SWAP, BLOCK_K)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     w_scale = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)
     dtype: tl.constexpr = y_ptr.dtype.element_ty
-    out = round_to(acc * tl.load(xs_ptr) * w_scale[None, :], dtype)
+    out = round_to(unswap(acc, SWAP) * tl.load(xs_ptr) * w_scale[None, :], dtype)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, out.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -122,7 +122,7 @@ def linear_fp8_triton(x, weight, weight_scale, input_scale, use_scaled_mm=None, 
         stride_ws = 0 if weight_scale.dim() == 0 else 1
         _linear_fp8_kernel[grid](
             xq, input_scale, weight, weight_scale, y, m, n, k, xq.stride(0), weight.stride(0),
-            stride_ws, y.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            stride_ws, y.stride(0), SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

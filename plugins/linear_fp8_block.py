@@ -23,7 +23,7 @@ from beam_trtllm.quant_formats import FP8_BLOCK, dequantize_fp8, fake_quant_fp8_
 
 from ._checks import check_device, check_linear_x, check_tensor
 from ._fp8_act import quant_fp8_per_token_block
-from ._moe_common import round_to, tile_of
+from ._moe_common import acc_zeros, mma_fp8, outer, round_to, tile_of, unswap
 from ._tiles import linear_config
 from .registry import dispatch, register
 
@@ -43,8 +43,8 @@ def check_linear_fp8_block(x, weight, weight_scale):
 @register(OP, "reference")
 def ref_linear_fp8_block(x, weight, weight_scale):
     check_linear_fp8_block(x, weight, weight_scale)
-    xq = fake_quant_fp8_per_token_block(x)
-    return F.linear(xq, dequantize_fp8(weight, weight_scale, x.dtype))
+    xq = fake_quant_fp8_per_token_block(x.float())  # FP32 math on exact decoded values
+    return F.linear(xq, dequantize_fp8(weight, weight_scale)).to(x.dtype)
 
 
 @torch.library.custom_op("beam::linear_fp8_block", mutates_args=())
@@ -60,8 +60,9 @@ def _(x, weight, weight_scale):
 # ---------------------------------------------------------------------------- triton
 @triton.jit
 def _linear_fp8_block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_xsm,
-                             stride_wn, stride_wsn, stride_ym, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                             stride_wn, stride_wsn, stride_ym, SWAP: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr):
     # BLOCK_K = 128: each K step is one scale group, scaled by x_scale[m, g] * w_scale[n // 128, g].
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,23 +71,29 @@ def _linear_fp8_block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, strid
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     xs_ptrs = xs_ptr + offs_m.to(tl.int64) * stride_xsm
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     ws_ptrs = ws_ptr + (offs_n // BLOCK_K) * stride_wsn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    # per-step scale vectors loaded one step ahead by hand (strided: no asynchronous copies)
+    xs = tl.load(xs_ptrs, mask=m_mask, other=0.0)
+    ws = tl.load(ws_ptrs, mask=n_mask, other=0.0)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
-        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        scale = tl.load(xs_ptrs, mask=m_mask, other=0.0)[:, None] * \
-            tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
-        acc += tl.dot(a, b) * scale
-        x_ptrs += BLOCK_K
+        more = k0 + BLOCK_K < K
         xs_ptrs += 1
-        w_ptrs += BLOCK_K
         ws_ptrs += 1
+        xs_next = tl.load(xs_ptrs, mask=m_mask & more, other=0.0)
+        ws_next = tl.load(ws_ptrs, mask=n_mask & more, other=0.0)
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a, w, SWAP, BLOCK_K) * outer(xs, ws, SWAP)
+        xs, ws = xs_next, ws_next
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, round_to(acc, dtype).to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+    out = round_to(unswap(acc, SWAP), dtype)
+    tl.store(y_ptrs, out.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @register(OP, "triton")
@@ -102,7 +109,7 @@ def linear_fp8_block_triton(x, weight, weight_scale, config=None):
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         _linear_fp8_block_kernel[grid](
             xq, xs, weight, weight_scale, y, m, n, k, xq.stride(0), xs.stride(0),
-            weight.stride(0), weight_scale.stride(0), y.stride(0), BLOCK_M=cfg.block_m,
+            weight.stride(0), weight_scale.stride(0), y.stride(0), SWAP=cfg.swap, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -19,7 +19,8 @@ import triton.language as tl
 from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 
 from ._checks import _expect, check_device, check_linear_x, check_tensor
-from ._moe_common import dot_precision, round_to, tile_of
+from ._moe_common import acc_zeros, dot_precision, mma, round_to, tile_of, unswap
+from .moe_nvfp4 import use_asm
 from ._tiles import linear_config, nvfp4_tile
 from .registry import dispatch, register
 
@@ -39,7 +40,8 @@ def check_linear_nvfp4(x, weight, weight_scale, weight_scale_2):
 @register(OP, "reference")
 def ref_linear_nvfp4(x, weight, weight_scale, weight_scale_2):
     check_linear_nvfp4(x, weight, weight_scale, weight_scale_2)
-    return F.linear(x, dequantize_nvfp4(weight, weight_scale, weight_scale_2, x.dtype))
+    w = dequantize_nvfp4(weight, weight_scale, weight_scale_2)  # FP32 math on exact decoded values
+    return F.linear(x.float(), w).to(x.dtype)
 
 
 @torch.library.custom_op("beam::linear_nvfp4", mutates_args=())
@@ -57,30 +59,37 @@ def _(x, weight, weight_scale, weight_scale_2):
 # ---------------------------------------------------------------------------- triton
 @triton.jit
 def _linear_nvfp4_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                         stride_sn, stride_ym, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                         stride_sn, stride_ym, SWAP: tl.constexpr, ASM: tl.constexpr,
+                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # w_ptr: the packed weight read as int32 words (8 codes each), stride_wn in words.
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kp = tl.arange(0, BLOCK_K // 2)
+    offs_kw = tl.arange(0, BLOCK_K // 8)
     offs_ks = tl.arange(0, BLOCK_K // 16)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_kp[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_kw[None, :]
     s_ptrs = ws_ptr + offs_n.to(tl.int64)[:, None] * stride_sn + offs_ks[None, :]
     dtype: tl.constexpr = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    # block scales loaded one step ahead by hand (too narrow for the pipelined async copies)
+    scales = tl.load(s_ptrs, mask=n_mask[:, None] & (offs_ks < K // 16)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         left = K - k0
         a = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < left)[None, :], other=0.0)
-        b = nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None] & (offs_kp < left // 2)[None, :],
-                       n_mask[:, None] & (offs_ks < left // 16)[None, :], BLOCK_N, BLOCK_K, dtype)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 2
+        words = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_kw < left // 8)[None, :], other=0)
         s_ptrs += BLOCK_K // 16
-    out = round_to(acc * tl.load(ws2_ptr), dtype)
+        scales_next = tl.load(s_ptrs, other=0.0,
+                              mask=n_mask[:, None] & (offs_ks < (left - BLOCK_K) // 16)[None, :])
+        w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM)
+        acc = mma(acc, a, w, SWAP, PRECISION)
+        scales = scales_next
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 8
+    out = round_to(unswap(acc, SWAP) * (tl.load(ws2_ptr) * 256.0), dtype)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, out.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -96,10 +105,12 @@ def linear_nvfp4_triton(x, weight, weight_scale, weight_scale_2, config=None):
     if m:
         cfg = config or linear_config(m, 0.5)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        words = weight.view(torch.int32)
         _linear_nvfp4_kernel[grid](
-            x2, weight, weight_scale, weight_scale_2, y, m, n, k, x2.stride(0), weight.stride(0),
-            weight_scale.stride(0), y.stride(0), PRECISION=dot_precision(x.dtype),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            x2, words, weight_scale, weight_scale_2, y, m, n, k, x2.stride(0), words.stride(0),
+            weight_scale.stride(0), y.stride(0), SWAP=cfg.swap, ASM=use_asm(x.dtype),
+            PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return y.reshape(*x.shape[:-1], n)

@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_rows, check_expert_weights, check_ids_in_range,
-    check_routing, combine, configs_for, dot_precision, fake_moe, plan_routing, ref_moe, round_to,
-    routing_ptrs, silu_mul, tile_of,
+    DIRECT_MAX_PAIRS, GemmConfig, Routing, acc_zeros, block_rows, check_expert_weights,
+    check_ids_in_range, check_routing, combine, configs_for, dot_precision, fake_moe, mma,
+    plan_routing, ref_moe, round_to, routing_ptrs, silu_mul, tile_of, unswap,
 )
 from .registry import dispatch, register
 
@@ -55,9 +55,9 @@ moe_bf16.register_fake(fake_moe)
 @triton.jit
 def _moe_bf16_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                      numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_om,
-                     GATED: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GATED: tl.constexpr, DIRECT: tl.constexpr, SWAP: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # GATED: h[row] = silu(a @ gate^T) * (a @ up^T), a = x[slot // k], gate/up rows n and N + n.
     # else:  y[slot] = h[row] @ down^T.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -71,25 +71,25 @@ def _moe_bf16_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, sorted_ptr, block_expert_pt
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        b_mask = k_mask[:, None] & n_mask[None, :]
-        acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, input_precision=PRECISION)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        acc = mma(acc, a, tl.load(w_ptrs, mask=w_mask, other=0.0), SWAP, PRECISION)
         if GATED:
-            b_up = tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     if GATED:
-        out = silu_mul(acc, acc_up, dtype)
+        out = silu_mul(unswap(acc, SWAP), unswap(acc_up, SWAP), dtype)
         out_rows = rows
     else:
-        out = round_to(acc, dtype)
+        out = round_to(unswap(acc, SWAP), dtype)
         out_rows = slots
     out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, out.to(dtype), mask=valid[:, None] & n_mask[None, :])
@@ -100,7 +100,7 @@ def _gemm(a, w, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfi
     _moe_bf16_kernel[grid](
         a, w, out, *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        GATED=gated, DIRECT=routing.direct, PRECISION=dot_precision(a.dtype),
+        GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap, PRECISION=dot_precision(a.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

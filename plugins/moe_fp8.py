@@ -29,10 +29,11 @@ from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
 
 from ._common import e4m3_grid
 from ._fp8_act import quant_fp8_per_tensor
+from ._checks import check_device
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, plan_routing,
-    ref_moe, round_to, routing_ptrs, silu_mul, tile_of,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, acc_zeros, block_rows, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, mma_fp8,
+    plan_routing, ref_moe, round_to, routing_ptrs, silu_mul, tile_of, unswap,
 )
 from .registry import dispatch, register
 
@@ -47,6 +48,8 @@ def check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_s
     check_tensor(OP, "w2_scale", w2_scale, (e, x.shape[1]), (torch.float32,))
     check_tensor(OP, "a13_scale", a13_scale, (), (torch.float32,))
     check_tensor(OP, "a2_scale", a2_scale, (), (torch.float32,))
+    check_device(OP, x, w13_scale=w13_scale, w2_scale=w2_scale, a13_scale=a13_scale,
+                 a2_scale=a2_scale)
     return e, inner
 
 
@@ -56,7 +59,7 @@ def ref_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_sca
     check_ids_in_range(OP, topk_ids, e)
 
     def expert(i):
-        return (dequantize_fp8(w13[i], w13_scale[i], x.dtype), dequantize_fp8(w2[i], w2_scale[i], x.dtype))
+        return dequantize_fp8(w13[i], w13_scale[i]), dequantize_fp8(w2[i], w2_scale[i])
 
     return ref_moe(
         x, topk_ids, topk_weights, expert,
@@ -84,8 +87,8 @@ def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
                     ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                     numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
                     stride_om, ACT: tl.constexpr, GATED: tl.constexpr, DIRECT: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr):
+                    SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # FP8 x FP8 on the tensor cores, promoted to FP32 every BLOCK_K, then * a_scale * w_scale[n].
     # GATED: h = silu(gate) * up (rounded to ACT as the reference), stored as FP8 codes of
     # h / out_scale (the down projection's static input scale). Else y[slot] in out's dtype.
@@ -100,25 +103,24 @@ def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        b_mask = k_mask[:, None] & n_mask[None, :]
-        acc = tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc,
-                     max_num_imprecise_acc=BLOCK_K)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        acc = mma_fp8(acc, a, tl.load(w_ptrs, mask=w_mask, other=0.0), SWAP, BLOCK_K)
         if GATED:
-            acc_up = tl.dot(a, tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0), acc_up,
-                            max_num_imprecise_acc=BLOCK_K)
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up = mma_fp8(acc_up, a, w_up, SWAP, BLOCK_K)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     a_scale = tl.load(a_scale_ptr)
     ws_ptrs = ws_ptr + expert * stride_se + offs_n
-    gate = acc * a_scale * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
+    gate = unswap(acc, SWAP) * a_scale * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
     if GATED:
-        up = acc_up * a_scale * tl.load(ws_ptrs + N, mask=n_mask, other=0.0)[None, :]
+        up = unswap(acc_up, SWAP) * a_scale * tl.load(ws_ptrs + N, mask=n_mask, other=0.0)[None, :]
         out = e4m3_grid(tl.div_rn(silu_mul(gate, up, ACT), tl.load(out_scale_ptr)))
         out_rows = rows
     else:
@@ -134,7 +136,7 @@ def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, 
     _moe_fp8_kernel[grid](
         a, a_scale, w, ws, out, out_scale, *routing_ptrs(routing), numel, top_k,
         routing.m_blocks, n, k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0),
-        out.stride(0), ACT=TL_DTYPES[act], GATED=gated, DIRECT=routing.direct,
+        out.stride(0), ACT=TL_DTYPES[act], GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -153,6 +155,8 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
         return torch.empty_like(x)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
+    if config13 is None and c13.block_m == 128:  # prefill: the H200 sweep's best gate/up shape
+        c13 = GemmConfig(128, 128, 128, 8, 3, swap=True)
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
     xq = quant_fp8_per_tensor(x, a13_scale)
     hq = torch.empty((routing.rows, inner), dtype=FP8[0], device=x.device)

@@ -31,10 +31,11 @@ import triton.language as tl
 from beam_trtllm.quant_formats import FP8_BLOCK, fake_quant_fp8_per_token_block
 
 from ._fp8_act import ACT_EPS, quant_block_tile, quant_fp8_per_token_block
+from ._checks import check_device
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, plan_routing,
-    ref_moe, round_to, routing_ptrs, silu_mul, tile_of,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, acc_zeros, block_rows, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, mma_fp8,
+    outer, plan_routing, ref_moe, round_to, routing_ptrs, silu_mul, tile_of, unswap,
 )
 from .registry import PluginError, dispatch, register
 
@@ -46,10 +47,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def dequantize_fp8_row_blocks(weight, scale, dtype):
-    """weight fp8 [N, K], scale fp32 [N, ceil(K/128)] (one scale per row per 128 columns)."""
+def dequantize_fp8_row_blocks(weight, scale):
+    """weight fp8 [N, K], scale fp32 [N, ceil(K/128)] (one scale per row per 128 columns)
+    -> FP32 [N, K]."""
     k = weight.shape[-1]
-    return (weight.float() * scale.repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]).to(dtype)
+    return weight.float() * scale.repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
 
 
 def check_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale):
@@ -58,6 +60,7 @@ def check_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     h = x.shape[1]
     check_tensor(OP, "w13_scale", w13_scale, (e, 2 * inner, cdiv(h, FP8_BLOCK)), (torch.float32,))
     check_tensor(OP, "w2_scale", w2_scale, (e, h, cdiv(inner, FP8_BLOCK)), (torch.float32,))
+    check_device(OP, x, w13_scale=w13_scale, w2_scale=w2_scale)
     return e, inner
 
 
@@ -67,8 +70,8 @@ def ref_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale):
     check_ids_in_range(OP, topk_ids, e)
 
     def expert(i):
-        return (dequantize_fp8_row_blocks(w13[i], w13_scale[i], x.dtype),
-                dequantize_fp8_row_blocks(w2[i], w2_scale[i], x.dtype))
+        return (dequantize_fp8_row_blocks(w13[i], w13_scale[i]),
+                dequantize_fp8_row_blocks(w2[i], w2_scale[i]))
 
     quant = fake_quant_fp8_per_token_block
     return ref_moe(x, topk_ids, topk_weights, expert, quant, quant)
@@ -92,8 +95,8 @@ def _moe_fp8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
                           numel, top_k, num_m, N, K, stride_am, stride_asm, stride_we, stride_wn,
                           stride_se, stride_sn, stride_om, stride_osm, eps,
                           ACT: tl.constexpr, GATED: tl.constexpr, DIRECT: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr):
+                          SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # BLOCK_K = 128: each K step is one scale group; its FP32 partial dot is scaled by
     # a_scale[row, g] * w_scale[n, g]. GATED: BLOCK_N = 128, so the tile holds whole 128-channel
     # groups of h and quantizes them per row in the epilogue (codes + scales for the down GEMM).
@@ -109,34 +112,45 @@ def _moe_fp8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     as_ptrs = as_ptr + a_rows * stride_asm
-    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     ws_ptrs = ws_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    # The per-step scale vectors are strided (one per row): no asynchronous copies for them, so
+    # they are loaded one step ahead by hand instead of stalling every step on a global load.
+    a_s = tl.load(as_ptrs, mask=valid, other=0.0)
+    w_s = tl.load(ws_ptrs, mask=n_mask, other=0.0)
+    w_su = tl.load(ws_ptrs + N * stride_sn, mask=n_mask & GATED, other=0.0)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        a_s = tl.load(as_ptrs, mask=valid, other=0.0)[:, None]
-        b_mask = k_mask[:, None] & n_mask[None, :]
-        w_s = tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
-        acc += tl.dot(a, tl.load(b_ptrs, mask=b_mask, other=0.0)) * (a_s * w_s)
-        if GATED:
-            w_su = tl.load(ws_ptrs + N * stride_sn, mask=n_mask, other=0.0)[None, :]
-            b_up = tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0)
-            acc_up += tl.dot(a, b_up) * (a_s * w_su)
-        a_ptrs += BLOCK_K
+        more = k0 + BLOCK_K < K
         as_ptrs += 1
-        b_ptrs += BLOCK_K
         ws_ptrs += 1
+        a_s_next = tl.load(as_ptrs, mask=valid & more, other=0.0)
+        w_s_next = tl.load(ws_ptrs, mask=n_mask & more, other=0.0)
+        w_su_next = tl.load(ws_ptrs + N * stride_sn, mask=n_mask & more & GATED, other=0.0)
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc += mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a, w, SWAP, BLOCK_K) * outer(a_s, w_s, SWAP)
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            part_up = mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a, w_up, SWAP, BLOCK_K)
+            acc_up += part_up * outer(a_s, w_su, SWAP)
+        a_s, w_s, w_su = a_s_next, w_s_next, w_su_next
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     out_mask = valid[:, None] & n_mask[None, :]
     if GATED:
-        codes, scale = quant_block_tile(silu_mul(acc, acc_up, ACT), eps)  # masked columns are 0
+        h = silu_mul(unswap(acc, SWAP), unswap(acc_up, SWAP), ACT)  # masked columns are 0
+        codes, scale = quant_block_tile(h, eps)
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, codes.to(tl.float8e4nv), mask=out_mask)
         tl.store(out_s_ptr + rows.to(tl.int64) * stride_osm + pid_n, scale, mask=valid)
     else:
         out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, round_to(acc, ACT).to(out_ptr.dtype.element_ty), mask=out_mask)
+        out = round_to(unswap(acc, SWAP), ACT)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _gemm(a, a_s, w, ws, out, out_s, routing: Routing, numel, top_k, n, k, gated, act,
@@ -148,7 +162,8 @@ def _gemm(a, a_s, w, ws, out, out_s, routing: Routing, numel, top_k, n, k, gated
         a, a_s, w, ws, out, out_s, *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
         out.stride(0), out_s.stride(0), ACT_EPS, ACT=TL_DTYPES[act], GATED=gated,
-        DIRECT=routing.direct, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DIRECT=routing.direct, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -156,8 +171,10 @@ def _gemm(a, a_s, w, ws, out, out_s, routing: Routing, numel, top_k, n, k, gated
 def block_configs(numel, e, config13, config2):
     c13, c2 = configs_for(numel, e, config13, config2)
     if config13 is None:  # gate/up tiles must cover whole 128-channel groups of h
-        warps = 8 if c13.block_m >= 64 else c13.num_warps  # two 128-wide FP32 accumulators
-        c13 = dataclasses.replace(c13, block_n=FP8_BLOCK, num_warps=warps)
+        c13 = dataclasses.replace(c13, block_n=FP8_BLOCK)
+        if c13.block_m > 64:  # two 128-wide FP32 accumulators: 64-row blocks keep them in registers
+            c13 = dataclasses.replace(c13, block_m=64, num_warps=8)
+            c2 = dataclasses.replace(c2, block_m=64, block_n=64, num_warps=4, num_stages=4)
     return c13, c2
 
 

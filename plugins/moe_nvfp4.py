@@ -27,14 +27,14 @@ import triton.language as tl
 
 from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 
-from ._checks import _expect
+from ._checks import _expect, check_device
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_rows, check_expert_weights, check_ids_in_range,
-    check_routing, check_tensor, combine, configs_for, dot_precision, fake_moe, plan_routing,
-    ref_moe, round_to, routing_ptrs, silu_mul, tile_of,
+    DIRECT_MAX_PAIRS, GemmConfig, Routing, acc_zeros, block_rows, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, dot_precision, fake_moe,
+    mma, plan_routing, ref_moe, round_to, routing_ptrs, silu_mul, tile_of, unswap,
 )
 from ._tiles import nvfp4_tile
-from .registry import dispatch, register
+from .registry import dispatch, register, triton_interpreted
 
 OP = "moe_nvfp4"
 FP8 = (torch.float8_e4m3fn,)
@@ -50,6 +50,8 @@ def check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, 
     check_tensor(OP, "w13_scale_2", w13_scale_2, (e,), (torch.float32,))
     check_tensor(OP, "w2_scale", w2_scale, (e, h, inner // NVFP4_BLOCK), FP8)
     check_tensor(OP, "w2_scale_2", w2_scale_2, (e,), (torch.float32,))
+    check_device(OP, x, w13_scale=w13_scale, w13_scale_2=w13_scale_2, w2_scale=w2_scale,
+                 w2_scale_2=w2_scale_2)
     return e, inner
 
 
@@ -60,10 +62,11 @@ def ref_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2
     check_ids_in_range(OP, topk_ids, e)
 
     def expert(i):
-        return (dequantize_nvfp4(w13[i], w13_scale[i], w13_scale_2[i], x.dtype),
-                dequantize_nvfp4(w2[i], w2_scale[i], w2_scale_2[i], x.dtype))
+        return (dequantize_nvfp4(w13[i], w13_scale[i], w13_scale_2[i]),
+                dequantize_nvfp4(w2[i], w2_scale[i], w2_scale_2[i]))
 
-    return ref_moe(x, topk_ids, topk_weights, expert)
+    identity = lambda a: a  # noqa: E731  (W4A16: activations are not quantized)
+    return ref_moe(x, topk_ids, topk_weights, expert, identity, identity)
 
 
 @torch.library.custom_op("beam::moe_nvfp4", mutates_args=())
@@ -85,10 +88,12 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
                       ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                       numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
                       stride_sn, stride_om, GATED: tl.constexpr, DIRECT: tl.constexpr,
-                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # As moe_bf16's kernel, with each weight tile decoded from NVFP4 on the fly (W4A16) and the
-    # expert's global scale applied to the FP32 accumulators.
+                      SWAP: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    # As moe_bf16's kernel, with each weight tile decoded from NVFP4 on the fly (W4A16; w_ptr is
+    # read as int32 words, strides in words) and 2^8 * the expert's global scale applied to the
+    # FP32 accumulators.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -100,48 +105,66 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kp = tl.arange(0, BLOCK_K // 2)
+    offs_kw = tl.arange(0, BLOCK_K // 8)
     offs_ks = tl.arange(0, BLOCK_K // 16)
     rows_n = offs_n.to(tl.int64)[:, None]
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + offs_kp[None, :]
+    w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + offs_kw[None, :]
     s_ptrs = ws_ptr + expert * stride_se + rows_n * stride_sn + offs_ks[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    # The E4M3 block scales (BLOCK_K/16 bytes a row) are too narrow for the asynchronous copies
+    # that pipeline the other tiles: load them one step ahead by hand, or every step waits on
+    # a global load (measured: NVFP4 decode at 4x its read floor).
+    s_mask = n_mask[:, None] & (offs_ks < K // 16)[None, :]
+    scales = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    scales_up = tl.load(s_ptrs + N * stride_sn, mask=s_mask & GATED, other=0.0)
     for k0 in range(0, K, BLOCK_K):
         left = K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < left)[None, :], other=0.0)
-        w_mask = n_mask[:, None] & (offs_kp < left // 2)[None, :]
-        s_mask = n_mask[:, None] & (offs_ks < left // 16)[None, :]
-        b = nvfp4_tile(w_ptrs, s_ptrs, w_mask, s_mask, BLOCK_N, BLOCK_K, dtype)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
-        if GATED:
-            b_up = nvfp4_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, w_mask, s_mask,
-                              BLOCK_N, BLOCK_K, dtype)
-            acc_up = tl.dot(a, tl.trans(b_up), acc_up, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 2
+        w_mask = n_mask[:, None] & (offs_kw < left // 8)[None, :]
+        s_next_mask = n_mask[:, None] & (offs_ks < (left - BLOCK_K) // 16)[None, :]
         s_ptrs += BLOCK_K // 16
-    scale_2 = tl.load(ws2_ptr + expert)
+        scales_next = tl.load(s_ptrs, mask=s_next_mask, other=0.0)
+        scales_up_next = tl.load(s_ptrs + N * stride_sn, mask=s_next_mask & GATED, other=0.0)
+        words = tl.load(w_ptrs, mask=w_mask, other=0)
+        w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM)
+        acc = mma(acc, a, w, SWAP, PRECISION)
+        if GATED:
+            words = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0)
+            w_up = nvfp4_tile(words, scales_up.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM)
+            acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
+        scales = scales_next
+        scales_up = scales_up_next
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 8
+    scale_2 = tl.load(ws2_ptr + expert) * 256.0
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     if GATED:
-        out = silu_mul(acc * scale_2, acc_up * scale_2, out_dtype)
+        out = silu_mul(unswap(acc, SWAP) * scale_2, unswap(acc_up, SWAP) * scale_2, out_dtype)
         out_rows = rows
     else:
-        out = round_to(acc * scale_2, out_dtype)
+        out = round_to(unswap(acc, SWAP) * scale_2, out_dtype)
         out_rows = slots
     out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, out.to(out_dtype), mask=valid[:, None] & n_mask[None, :])
 
 
+def use_asm(dtype: torch.dtype) -> bool:
+    """The PTX decoder: BF16 activations on a GPU (the interpreter runs the plain decoder)."""
+    return dtype == torch.bfloat16 and not triton_interpreted()
+
+
 def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfig):
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
+    words = w.view(torch.int32)  # [E, rows, K/8]: 8 codes a word
     _moe_nvfp4_kernel[grid](
-        a, w, ws, ws2, out, *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
-        a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
-        GATED=gated, DIRECT=routing.direct, PRECISION=dot_precision(a.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a, words, ws, ws2, out, *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
+        a.stride(0), words.stride(0), words.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
+        GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap, ASM=use_asm(a.dtype),
+        PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from beam_trtllm.reference import rms_norm
 
-from ._common import FLOAT_DTYPES, cast_rne, check, check_tensor, next_pow2
+from ._common import FLOAT_DTYPES, cast_rne, check, check_tensor, next_pow2, sm_count
 from .registry import dispatch, register
 
 OP = "rmsnorm"
@@ -28,22 +28,41 @@ def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, H, eps, BLOCK_H: tl.constexpr):
-    # One program per row; the whole row stays in registers (H <= 16K), so x is read once.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)
-    y = x * inv_rms * w
-    tl.store(y_ptr + row * stride_y + cols, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
+def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, T, stride_x, stride_y, H, eps, ROWS: tl.constexpr,
+                    BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
+    # Whole rows stay in registers (H <= 16K), so x is read once. A program loops over tiles of
+    # ROWS rows (persistent grid): w is read once per program and, with STAGES > 1, the next
+    # tiles' loads are in flight while this one is reduced and stored.
+    cols = tl.arange(0, BLOCK_H)[None, :]
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0),
+                         num_stages=STAGES):
+        rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        mask = (rows < T) & (cols < H)
+        x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps)
+        y = x * inv_rms[:, None] * w
+        tl.store(y_ptr + rows * stride_y + cols, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
 
 
-def row_launch_params(h: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) for one-row-per-program kernels: ~16 elements per thread."""
+# Launch shape of the row kernels (rmsnorm, add_rmsnorm) for "many" rows (a prefill chunk) and
+# "few" (decode): rows per tile, elements per thread (-> warps), resident programs per SM
+# (persistent grid) and pipeline depth. Chosen by the H200 sweep in bench/kernels_sweep.py.
+ROW_CONFIG = {
+    "many": dict(ROWS=1, elems_per_thread=16, programs_per_sm=4, STAGES=1),
+    "few": dict(ROWS=1, elems_per_thread=16, programs_per_sm=4, STAGES=1),
+}
+
+
+def row_launch_params(t: int, h: int, device: torch.device) -> tuple[int, dict]:
+    """(grid size, kernel parameters) for a [t, h] row kernel."""
+    cfg = ROW_CONFIG["many" if t >= 1024 else "few"]
     block = next_pow2(h)
-    return block, max(1, min(16, block // 512))
+    warps = max(1, min(32, cfg["ROWS"] * block // (32 * cfg["elems_per_thread"])))
+    tiles = triton.cdiv(t, cfg["ROWS"])
+    grid = min(tiles, cfg["programs_per_sm"] * sm_count(device))
+    return grid, dict(ROWS=cfg["ROWS"], BLOCK_H=block, STAGES=cfg["STAGES"],
+                      num_warps=next_pow2(warps))
 
 
 @register(OP, "triton")
@@ -52,9 +71,8 @@ def _launch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     y = torch.empty_like(x)
     if t == 0:
         return y
-    block, warps = row_launch_params(h)
-    _rmsnorm_kernel[(t,)](x, weight, y, x.stride(0), y.stride(0), h, eps,
-                          BLOCK_H=block, num_warps=warps)
+    grid, p = row_launch_params(t, h, x.device)
+    _rmsnorm_kernel[(grid,)](x, weight, y, t, x.stride(0), y.stride(0), h, eps, **p)
     return y
 
 

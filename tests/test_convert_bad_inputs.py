@@ -123,6 +123,11 @@ def test_flags_and_dirs_are_checked(tiny_dir, tmp_path):
         convert(tiny_dir, tmp_path / "o", ConvertOptions("int3", calib_samples=0))
     with pytest.raises(ConvertError, match="--calib-data /nonexistent.txt"):
         convert(tiny_dir, tmp_path / "o", ConvertOptions("nvfp4", calib_data="/nonexistent.txt"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConvertError, match="--device cuda"):
+            convert(tiny_dir, tmp_path / "o", ConvertOptions("nvfp4", device="cuda"))
+    with pytest.raises(ConvertError, match="add --format trtllm"):
+        convert(tiny_dir, tmp_path / "o", ConvertOptions("nvfp4", tp=2, calib_samples=0))
     assert _digest(tiny_dir) == before
 
 

@@ -15,7 +15,7 @@ def test_shipped_graphs_load_with_their_components():
     agg = load_graph(GRAPHS / "agg.yaml")
     assert not agg.disaggregated and [(w.name, w.role, w.count) for w in agg.workers] == [
         ("backend", "agg", 1)]
-    assert agg.engine_dir == (GRAPHS.parent / "out" / "demo" / "engine").resolve()
+    assert agg.engine_dir == (GRAPHS.parent / "out" / "demo" / "tiny-nvfp4-engine").resolve()
     assert agg.frontend.router_mode == "kv" and agg.frontend.http_host == "127.0.0.1"
     dis = load_graph(GRAPHS / "disagg.yaml")
     assert dis.disaggregated and [w.role for w in dis.workers] == ["prefill", "decode"]

@@ -54,7 +54,8 @@ def pack_experts(fmt: str, gate, up, down) -> dict:
         parts["w13_scale"].append(s13)
         parts["w2"].append(qd)
         parts["w2_scale"].append(s2)
-    return {k: torch.stack(v).contiguous() for k, v in parts.items() if v}
+    device = gate.device  # quant_formats returns FP8 per-tensor scales on the CPU
+    return {k: torch.stack([t.to(device) for t in v]).contiguous() for k, v in parts.items() if v}
 
 
 def activation_scales(x: torch.Tensor, h_amax: float) -> dict:

@@ -89,9 +89,10 @@ def test_fp8_cache_reads_entries_times_their_scale():
 
 # Kernels against the reference op on awkward shapes: G = 3 query heads per KV head, D = 32,
 # lengths not a multiple of the block size, windows shorter and longer than the sequences,
-# hist_start > 0, fresh prefills, chunks on top of a cache, decodes.
+# hist_start > 0, fresh prefills, chunks on top of a cache (one long enough for key tiles
+# below the diagonal, which the kernel runs unmasked), decodes.
 MIXED = {
-    "full": [Seq(0, 7), Seq(37, 1), Seq(20, 13, hist=5), Seq(50, 1, hist=17), Seq(3, 2)],
+    "full": [Seq(0, 7), Seq(37, 1), Seq(20, 13, hist=5), Seq(50, 1, hist=17), Seq(3, 40)],
     "sliding": [Seq(0, 11), Seq(3, 1), Seq(29, 5), Seq(40, 1, hist=36), Seq(9, 12)],
 }
 DECODE = {
@@ -101,7 +102,8 @@ DECODE = {
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("dtype,kv_dtype", DTYPE_CASES)
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPE_CASES + [
+    pytest.param(torch.float32, FP8_DTYPE, id="fp32-fp8kv")])  # FP8 tiles via Triton's cast
 @pytest.mark.parametrize("step", ["mixed", "decode"])
 @pytest.mark.parametrize("kind", ["full", "sliding"])
 def test_attention_kernel_matches_reference(kind, step, dtype, kv_dtype):

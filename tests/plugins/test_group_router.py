@@ -11,7 +11,7 @@ from beam_trtllm.config import PRESETS
 from beam_trtllm.reference import BeamRouter
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE
-from plugins.group_router import ref_group_router
+from plugins.group_router import ROUTER_CONFIG, ref_group_router
 
 TINY = PRESETS["tiny"]
 
@@ -41,20 +41,26 @@ def test_group_router_op_is_the_reference_router(dtype):
     assert torch.equal(w, want_w)
 
 
-# (T, E, H, n_group, topk_group, k, renormalize): the tiny router, Beam's grouping at a small
-# hidden size, groups that are not powers of two, batch 1 and many tokens (the GEMM path).
+# (T, E, H, n_group, topk_group, k, renormalize, split): the tiny router, Beam's grouping at
+# a small hidden size, groups that are not powers of two, batch 1 with the channels split over
+# 3 programs (H not a multiple of the split), and many tokens (the GEMM path).
 CASES = [
-    (1, 16, 64, 4, 2, 4, True),
-    (7, 256, 96, 8, 4, 8, True),
-    (37, 256, 160, 8, 4, 8, True),
-    (5, 72, 48, 6, 3, 5, False),
+    (1, 16, 64, 4, 2, 4, True, 1),
+    (1, 256, 100, 8, 4, 8, True, 3),
+    (7, 256, 96, 8, 4, 8, True, 1),
+    (37, 256, 160, 8, 4, 8, True, 1),
+    (5, 72, 48, 6, 3, 5, False, 2),
 ]
 
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,h,n_group,topk_group,k,renorm", CASES)
-def test_group_router_kernel_matches_reference(t, e, h, n_group, topk_group, k, renorm, dtype):
+@pytest.mark.parametrize("t,e,h,n_group,topk_group,k,renorm,split", CASES)
+def test_group_router_kernel_matches_reference(t, e, h, n_group, topk_group, k, renorm, split,
+                                               dtype, monkeypatch):
+    for kind in ("few", "many"):  # 32-channel chunks, so that every split gets some channels
+        monkeypatch.setitem(ROUTER_CONFIG, kind, dict(ROUTER_CONFIG[kind], SPLIT=split,
+                                                      BLOCK_H=32))
     x, weight, bias = _router_case(t, e, h, seed=t + e)
     x = x.to(dtype)
     args = (n_group, topk_group, k, 2.5, renorm)

@@ -8,7 +8,16 @@ import torch
 import plugins  # noqa: F401
 from _linear_testdata import linear_args
 from conftest import tol
+from kernel_cases import KERNEL_DEVICE
 from plugins import linear_fp8, linear_fp8_block, linear_nvfp4
+
+pytestmark = pytest.mark.kernel
+
+
+def _tol(fmt, dtype):
+    # on a GPU, Hopper's FP8 MMA adds each 128-deep step with reduced precision
+    gpu_fp8 = KERNEL_DEVICE == "cuda" and fmt.startswith("fp8") and dtype == torch.bfloat16
+    return tol("linear-fp8-mma" if gpu_fp8 else "linear", dtype)
 
 KERNELS = {"fp8": (linear_fp8.linear_fp8_triton, linear_fp8.ref_linear_fp8),
            "fp8_block": (linear_fp8_block.linear_fp8_block_triton,
@@ -21,16 +30,16 @@ KERNELS = {"fp8": (linear_fp8.linear_fp8_triton, linear_fp8.ref_linear_fp8),
 @pytest.mark.parametrize("t", [3, 131])
 def test_kernel_matches_reference(fmt, dtype, t):
     x = torch.randn(t, 208, generator=torch.Generator().manual_seed(t)).to(dtype)
-    args = linear_args(fmt, x, n=72, seed=t)
+    args = tuple(a.to(KERNEL_DEVICE) for a in linear_args(fmt, x, n=72, seed=t))
     kernel, ref = KERNELS[fmt]
     out = kernel(*args)
     assert out.dtype == dtype and out.shape == (t, 72)
-    torch.testing.assert_close(out, ref(*args), **tol("linear", dtype))
+    torch.testing.assert_close(out, ref(*args), **_tol(fmt, dtype))
 
 
 def test_fp8_per_row_scale_and_leading_dims_through_the_op():
     x = torch.randn(2, 5, 208).to(torch.bfloat16)
-    args = linear_args("fp8", x, n=40, seed=3, per_row=True)
+    args = tuple(a.to(KERNEL_DEVICE) for a in linear_args("fp8", x, n=40, seed=3, per_row=True))
     out = torch.ops.beam.linear_fp8(*args)  # TRITON_INTERPRET=1: the Triton GEMM
     assert out.shape == (2, 5, 40)
-    torch.testing.assert_close(out, linear_fp8.ref_linear_fp8(*args), **tol("linear", torch.bfloat16))
+    torch.testing.assert_close(out, linear_fp8.ref_linear_fp8(*args), **_tol("fp8", torch.bfloat16))

@@ -1,7 +1,8 @@
 """The Triton moe_* kernels (in Triton's interpreter on the CPU) against their ref_ functions:
 odd token counts, experts with no tokens, every token on one expert, K not a multiple of the
 tile, I not a multiple of 128 (block FP8), FP32 and BF16, both routing paths (direct pairs for
-decode, sorted blocks for prefill), and the token sort checked exactly."""
+decode, sorted blocks for prefill), and the token sort checked exactly. On a GPU machine they
+run there instead (KERNEL_DEVICE)."""
 
 import pytest
 import torch
@@ -9,7 +10,10 @@ import torch
 import plugins  # noqa: F401
 from _moe_testdata import activation_scales, dense_experts, moe_args, pack_experts, random_routing
 from conftest import tol
+from kernel_cases import KERNEL_DEVICE
 from plugins import _moe_common, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
+
+pytestmark = pytest.mark.kernel
 
 KERNELS = {"bf16": (moe_bf16.moe_bf16_triton, moe_bf16.ref_moe_bf16),
            "fp8": (moe_fp8.moe_fp8_triton, moe_fp8.ref_moe_fp8),
@@ -33,7 +37,8 @@ def _case(fmt, dtype, t, seed, experts=None, ids=None):
         packed = {k: v.to(dtype) for k, v in packed.items()}
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed)).to(dtype)
     rid, w = random_routing(t, E, K, seed=seed, experts=experts)
-    return moe_args(fmt, x, rid if ids is None else ids, w, packed, activation_scales(x, 3.0))
+    args = moe_args(fmt, x, rid if ids is None else ids, w, packed, activation_scales(x, 3.0))
+    return tuple(a.to(KERNEL_DEVICE) for a in args)
 
 
 @pytest.mark.parametrize("fmt", sorted(KERNELS))
@@ -66,11 +71,16 @@ def test_single_token_and_empty_batch():
     assert kernel(*empty).shape == (0, args[0].shape[1])
 
 
-@pytest.mark.parametrize("t,experts", [(1, None), (37, 5), (40, 1)])
-def test_align_places_every_pair_exactly_once(t, experts):
+@pytest.mark.parametrize("t,experts,one_program", [(1, None, 4096), (37, 5, 4096), (40, 1, 4096),
+                                                  (37, 5, 16), (300, None, 64)])
+def test_align_places_every_pair_exactly_once(t, experts, one_program, monkeypatch):
+    # one_program < T*k takes the many-program path (count, then scatter) used for prefill
+    monkeypatch.setattr(_moe_common, "ONE_PROGRAM_ALIGN", one_program)
     k, block_m = (1, 16) if experts == 1 else (K, 16)
     ids, _ = random_routing(t, E, k, seed=t, experts=experts)
-    r = _moe_common.plan_routing(ids, E, block_m, direct=False)
+    r = _moe_common.plan_routing(ids.to(KERNEL_DEVICE), E, block_m, direct=False)
+    r = _moe_common.Routing(r.direct, r.block_m, r.m_blocks, r.rows, r.ids.cpu(),
+                            r.sorted_slots.cpu(), r.block_expert.cpu(), r.num_rows.cpu())
     numel = ids.numel()
     assert r.rows == _moe_common.max_sorted_rows(numel, E, block_m)
     counts = torch.bincount(ids.flatten().long(), minlength=E)

@@ -12,7 +12,7 @@ from beam_trtllm.reference import BeamDecoderLayer
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE
 from plugins.add_rmsnorm import ref_add_rmsnorm
-from plugins.rmsnorm import ref_rmsnorm
+from plugins.rmsnorm import ROW_CONFIG, ref_rmsnorm
 
 TINY = PRESETS["tiny"]
 EPS = TINY.rms_norm_eps
@@ -42,10 +42,17 @@ def _rows(t, h, dtype, seed, scale=1.0):
     return (torch.randn(t, h, generator=gen) * scale).to(dtype)
 
 
+# Several rows per tile (ROWS) with a row count that is not a multiple of it, and a persistent
+# grid of one program per "SM" (4 in the interpreter), so that programs loop over tiles.
+ROWS = [pytest.param(1, id="rows1"), pytest.param(4, id="rows4")]
+
+
 @pytest.mark.kernel
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,h", [(1, 64), (13, 200), (5, 1000)])  # H not a power of two
-def test_rmsnorm_kernel_matches_reference(t, h, dtype):
+def test_rmsnorm_kernel_matches_reference(t, h, dtype, rows, monkeypatch):
+    monkeypatch.setitem(ROW_CONFIG, "few", dict(ROW_CONFIG["few"], ROWS=rows, programs_per_sm=1))
     x = _rows(t, h, dtype, 7, scale=3.0)
     w = (1.0 + 0.1 * _rows(1, h, torch.float32, 8)[0]).to(dtype)
     want = ref_rmsnorm(x, w, EPS)
@@ -55,9 +62,11 @@ def test_rmsnorm_kernel_matches_reference(t, h, dtype):
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,h,sublayer", [(1, 64, 0), (13, 200, 5), (5, 1000, 103)])
-def test_add_rmsnorm_kernel_matches_reference(t, h, sublayer, dtype):
+def test_add_rmsnorm_kernel_matches_reference(t, h, sublayer, dtype, rows, monkeypatch):
+    monkeypatch.setitem(ROW_CONFIG, "few", dict(ROW_CONFIG["few"], ROWS=rows, programs_per_sm=1))
     hs, y = _rows(t, h, dtype, 9), _rows(t, h, dtype, 10, scale=5.0)
     w_post = (1.0 + 0.1 * _rows(1, h, torch.float32, 11)[0]).to(dtype)
     w_pre = (1.0 + 0.1 * _rows(1, h, torch.float32, 12)[0]).to(dtype)

@@ -110,7 +110,7 @@ def test_qk_prep_kernel_matches_reference(kind, dtype, kv_dtype):
     torch.testing.assert_close(g, want[3], **tol("qk-prep", torch.float32))
     # data movement, exact: each written slot holds store(the op's own k / v), nothing else moved
     expect_k, expect_v = _caches(7, bs, hkv, d, kv_dtype)[:2]
-    ref_cache_write(k, v, expect_k, expect_v, slots, *caches[2:])
+    ref_cache_write(k, v, expect_k, expect_v, slots, *(s.cpu() for s in caches[2:]))
     assert torch.equal(_bits(caches[0].cpu()), _bits(expect_k))
     assert torch.equal(_bits(caches[1].cpu()), _bits(expect_v))
 

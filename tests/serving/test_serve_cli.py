@@ -83,4 +83,4 @@ def test_serve_stops_the_graph_when_a_component_dies(tmp_path, engine_dir):
 
 
 def test_shipped_graphs_point_at_the_demo_engine():
-    assert (GRAPHS / "disagg.yaml").read_text().count("engine_dir: ../out/demo/engine") == 1
+    assert (GRAPHS / "disagg.yaml").read_text().count("engine_dir: ../out/demo/tiny-nvfp4-engine") == 1
