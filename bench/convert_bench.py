@@ -228,17 +228,18 @@ def cuda_main(args) -> None:
         gpu = qf._quantize_nvfp4_torch(m.to(dev), qf.nvfp4_scale_2(m.to(dev)))
         cpu = qf._quantize_nvfp4_torch(m, qf.nvfp4_scale_2(m))
         fast = qf.quantize_nvfp4(m, threads=4)  # numba path where numba is installed
-        same.append(_sha(*gpu) == _sha(*cpu) == _sha(*fast))
+        same.append((f"nvfp4 #{i}", _sha(*gpu) == _sha(*cpu) == _sha(*fast)))
         hashes[f"nvfp4 #{i}"] = _sha(*cpu)
         for fmt, fn in (("fp8", qf.quantize_fp8), ("fp8-block", qf.quantize_fp8_block)):
             g, c = fn(m.to(dev)), fn(m)
-            same.append(_sha(*g) == _sha(*c))
+            same.append((f"{fmt} #{i}", _sha(*g) == _sha(*c)))
             hashes[f"{fmt} #{i}"] = _sha(*c)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("\n| quantize | GB/s of BF16 input |\n|---|---|")
     for name, rate in rows:
         print(f"| {name} | {rate:.1f} |")
-    print(f"\nGPU bytes == CPU bytes on {len(same)} (matrix, format) pairs: {all(same)}")
+    print(f"\nGPU bytes == CPU bytes on {len(same)} (matrix, format) pairs: "
+          f"{all(ok for _, ok in same)}; differing: {[n for n, ok in same if not ok]}")
     print("CPU-path sha256 prefixes:", json.dumps(hashes))
     with tempfile.TemporaryDirectory() as tmp:
         for line in e2e_cuda_check(Path(tmp)):
