@@ -242,8 +242,7 @@ def cuda_main(args) -> None:
           f"{all(ok for _, ok in same)}; differing: {[n for n, ok in same if not ok]}")
     print("CPU-path sha256 prefixes:", json.dumps(hashes))
     with tempfile.TemporaryDirectory() as tmp:
-        for line in e2e_cuda_check(Path(tmp)):
-            print(line)
+        print(e2e_cuda_check(Path(tmp))[-1])
 
 
 def e2e_cuda_check(root: Path) -> list[str]:
@@ -263,6 +262,7 @@ def e2e_cuda_check(root: Path) -> list[str]:
             outs[device] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()
                             if p.name != "manifest.json"}
         lines.append(f"tiny {recipe} weight-only: CPU files == CUDA files: {outs['cpu'] == outs['cuda']}")
+        print(lines[-1], flush=True)  # now, in case a later step fails
     out = convert(tiny, root / "calib-cuda", ConvertOptions("nvfp4", "fp8", device="cuda"))
     report = verify(out, tiny)
     lines.append(f"tiny nvfp4 + FP8 KV calibrated on CUDA: verify ok={report['ok']}, "
