@@ -162,11 +162,15 @@ def test_offload_tier_serves_evicted_prefixes(tiny_dir, tmp_path, ref_bf16):
     tier: dict[int, torch.Tensor] = {}
     engine.set_kv_tier(offload=lambda h, parent, tokens, kv: tier.__setitem__(h, kv.clone()),
                        fetch=tier.get)
+    sink = Sink()
+    engine.set_kv_event_sink(sink)
     first = prompts(26, [60])[0]
     engine.generate([first], greedy(2))
     for p in prompts(27, [80, 80]):  # push `first` out of the 26 blocks
         engine.generate([p], greedy(2))
     assert all(h in tier for h in chain_hashes(first, 4))
+    removed = {h for kind, hs in sink.events if kind == "removed" for h in hs}
+    assert set(chain_hashes(first, 4)) <= removed == set(tier)  # every eviction reported
     before = engine.blocks.stats["fetched"]
     follow = first + prompts(28, [5])[0]
     assert engine.generate([follow], greedy(6))[0]["token_ids"] == ref_greedy(ref_bf16, follow, 6)

@@ -179,3 +179,22 @@ def test_request_that_never_fits(tiny_engine_dir):
     engine.add_request("fits", [1] * 30, greedy(11))  # 40 positions, the last never stored
     with pytest.raises(EngineError, match="need 11 KV blocks, the engine has 10; it can never fit"):
         engine.add_request("too-big", [1] * 30, greedy(12))
+
+
+def test_stop_strings_and_seeded_sampling_through_the_engine(engine):
+    prompt = engine.tokenizer.encode("def add(a, b):\n    return")
+    full = engine.generate([prompt], greedy(24))[0]
+    text = full["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    first = text.find(stop)
+    out = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))[0]
+    assert out["finish_reason"] == "stop" and out["text"] == text[:first]
+    assert out["token_ids"] == full["token_ids"][:len(out["token_ids"])]
+    # a seeded request samples the same tokens alone and in a batch with other requests
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    alone = engine.generate([prompt], seeded)[0]["token_ids"]
+    others = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    results = drive(engine, {0: [("x", prompts(12, [30])[0], others), ("s", prompt, seeded)],
+                             1: [("y", prompts(13, [5])[0], others)]})
+    assert results["s"]["tokens"] == alone and alone != full["token_ids"][:8]
+    assert_all_free(engine)

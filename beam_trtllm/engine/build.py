@@ -129,14 +129,16 @@ def kernel_choices(target: str, plan: dict, kv_dtype: str) -> dict:
            "linear": [("torch.matmul" if f == "bf16" else f"beam::linear_{f}") for f in linear],
            "kv_cache": kv_dtype}
     on_gpu = torch.cuda.is_available()
+    heuristic = ("the Triton kernels pick launch configurations from the step's shape "
+                 "(plugins/_tiles.py, _moe_common.default_config); no per-device search is done")
     if target == "cpu":
         tune = {"status": "not applicable: the CPU runs the ops' plain-torch references"}
     elif on_gpu:
-        tune = {"status": "at first load: Triton autotunes each kernel on this device's shapes "
-                          "(cached in the process, ~seconds)", "device": torch.cuda.get_device_name()}
+        tune = {"status": f"at first load: Triton compiles the kernels and the decode CUDA graphs "
+                          f"are captured; {heuristic}", "device": torch.cuda.get_device_name()}
     else:
         tune = {"status": "left to first load: no GPU on the build machine, so Triton's "
-                          "autotuning and the CUDA graph captures run when the engine loads"}
+                          f"compilation and the CUDA-graph captures run when the engine loads; {heuristic}"}
     return {"ops": ops, "autotune": tune}
 
 
@@ -164,6 +166,9 @@ def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOption
             raise EngineError(f"{ckpt_dir}: unexpected tensor {unused[0]}{more}: not part of a "
                               "Beam checkpoint of this config")
         files.update(_copy_side_files(ckpt_dir, tmp, cfg))
+        kernels = kernel_choices(opts.target, layer_plan, kv_dtype)
+        if opts.target != "cpu":
+            progress(f"kernels: {kernels['autotune']['status']}")
         progress("hashing the input checkpoint")
         spec = {
             "format": ENGINE_FORMAT, "format_version": ENGINE_FORMAT_VERSION,
@@ -171,7 +176,7 @@ def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOption
             "config": json.loads((tmp / "config.json").read_text()),
             "target": opts.target, "options": opts.to_json(),
             "quantization": {"kv_cache": kv_dtype, "layers": layer_plan},
-            "kernels": kernel_choices(opts.target, layer_plan, kv_dtype),
+            "kernels": kernels,
             "kv_plan": kv.to_json(),
             "checkpoint": {"path": str(ckpt_dir.resolve()), "sha256": checkpoint_hash(ckpt_dir)},
             "tools": tool_versions(),
