@@ -228,21 +228,21 @@ def cuda_main(args) -> None:
         gpu = qf._quantize_nvfp4_torch(m.to(dev), qf.nvfp4_scale_2(m.to(dev)))
         cpu = qf._quantize_nvfp4_torch(m, qf.nvfp4_scale_2(m))
         fast = qf.quantize_nvfp4(m, threads=4)  # numba path where numba is installed
-        same.append(_sha(*gpu) == _sha(*cpu) == _sha(*fast))
+        same.append((f"nvfp4 #{i}", _sha(*gpu) == _sha(*cpu) == _sha(*fast)))
         hashes[f"nvfp4 #{i}"] = _sha(*cpu)
         for fmt, fn in (("fp8", qf.quantize_fp8), ("fp8-block", qf.quantize_fp8_block)):
             g, c = fn(m.to(dev)), fn(m)
-            same.append(_sha(*g) == _sha(*c))
+            same.append((f"{fmt} #{i}", _sha(*g) == _sha(*c)))
             hashes[f"{fmt} #{i}"] = _sha(*c)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("\n| quantize | GB/s of BF16 input |\n|---|---|")
     for name, rate in rows:
         print(f"| {name} | {rate:.1f} |")
-    print(f"\nGPU bytes == CPU bytes on {len(same)} (matrix, format) pairs: {all(same)}")
+    print(f"\nGPU bytes == CPU bytes on {len(same)} (matrix, format) pairs: "
+          f"{all(ok for _, ok in same)}; differing: {[n for n, ok in same if not ok]}")
     print("CPU-path sha256 prefixes:", json.dumps(hashes))
     with tempfile.TemporaryDirectory() as tmp:
-        for line in e2e_cuda_check(Path(tmp)):
-            print(line)
+        print(e2e_cuda_check(Path(tmp))[-1])
 
 
 def e2e_cuda_check(root: Path) -> list[str]:
@@ -262,6 +262,7 @@ def e2e_cuda_check(root: Path) -> list[str]:
             outs[device] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()
                             if p.name != "manifest.json"}
         lines.append(f"tiny {recipe} weight-only: CPU files == CUDA files: {outs['cpu'] == outs['cuda']}")
+        print(lines[-1], flush=True)  # now, in case a later step fails
     out = convert(tiny, root / "calib-cuda", ConvertOptions("nvfp4", "fp8", device="cuda"))
     report = verify(out, tiny)
     lines.append(f"tiny nvfp4 + FP8 KV calibrated on CUDA: verify ok={report['ok']}, "

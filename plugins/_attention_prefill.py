@@ -38,6 +38,32 @@ def _find_sequence(cu_ptr, tile, B, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.cons
 
 
 @triton.jit
+def _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn, stride_vn, head_kn,
+              head_vn, j_lo, j_hi, p_last, d, window, qk_scale, D: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Fold this chunk's keys j in [j_lo, j_hi) (k_new / v_new row first_row + j) into the
+    running softmax of the query tile. MASKED=False only for tiles that every row sees."""
+    for j0 in range(j_lo, j_hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j <= p_last
+        rows = (first_row + j).to(tl.int64)
+        kv_mask = d[None, :] < D
+        if MASKED:
+            kv_mask = kv_mask & valid[:, None]
+        k = tl.load(kn_ptr + rows[:, None] * stride_kn + head_kn + d[None, :], mask=kv_mask,
+                    other=0.0)
+        v = tl.load(vn_ptr + rows[:, None] * stride_vn + head_vn + d[None, :], mask=kv_mask,
+                    other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            diff = pos[:, None] - j[None, :]
+            visible = valid[None, :] & (diff >= 0) & ((window == 0) | (diff < window))
+            scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, kc_ptr, vc_ptr, cu_ptr,
                     q_start_ptr, hist_ptr, index_ptr, ks_ptr, vs_ptr, B,
                     stride_kn, stride_knh, stride_vn, stride_vnh, M, block_size, stride_blk,
@@ -93,29 +119,13 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, kc_ptr, vc_ptr, cu
         mid = new_lo
         if window == 0:
             mid = new_lo + ((p_first + 1 - new_lo) // BLOCK_N) * BLOCK_N
-        for j0 in range(new_lo, mid, BLOCK_N):
-            rows = (seq_lo + j0 - start + tl.arange(0, BLOCK_N)).to(tl.int64)
-            d_ok = d[None, :] < D
-            k = tl.load(kn_ptr + rows[:, None] * stride_kn + h * stride_knh + d[None, :],
-                        mask=d_ok, other=0.0)
-            v = tl.load(vn_ptr + rows[:, None] * stride_vn + h * stride_vnh + d[None, :],
-                        mask=d_ok, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
-        for j0 in range(mid, p_last + 1, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            valid = j <= p_last
-            rows = (seq_lo + j - start).to(tl.int64)
-            kv_mask = valid[:, None] & (d[None, :] < D)
-            k = tl.load(kn_ptr + rows[:, None] * stride_kn + h * stride_knh + d[None, :],
-                        mask=kv_mask, other=0.0)
-            v = tl.load(vn_ptr + rows[:, None] * stride_vn + h * stride_vnh + d[None, :],
-                        mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            diff = pos[:, None] - j[None, :]
-            visible = valid[None, :] & (diff >= 0) & ((window == 0) | (diff < window))
-            scores = tl.where(visible, scores, float("-inf"))
-            m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+        first_row = seq_lo - start  # k_new row of this chunk's position j: first_row + j
+        m_i, l_i, acc = _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn,
+                                  stride_vn, h * stride_knh, h * stride_vnh, new_lo, mid,
+                                  p_last, d, window, qk_scale, D, BLOCK_N, False, DOT_PREC)
+        m_i, l_i, acc = _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn,
+                                  stride_vn, h * stride_knh, h * stride_vnh, mid, p_last + 1,
+                                  p_last, d, window, qk_scale, D, BLOCK_N, True, DOT_PREC)
         gate = tl.load(gate_ptr + (seq_lo + tok).to(tl.int64) * HQ + head, mask=row_ok, other=0.0)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * gate[:, None]
         tl.store(out_ptr + q_rows[:, None] * D + d[None, :], cast_rne(o, out_ptr.dtype.element_ty),

@@ -49,7 +49,7 @@ def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, T, stride_x, stride_y, H, eps, ROWS: tl
 # "few" (decode): rows per tile, elements per thread (-> warps), resident programs per SM
 # (persistent grid) and pipeline depth. Chosen by the H200 sweep in bench/kernels_sweep.py.
 ROW_CONFIG = {
-    "many": dict(ROWS=1, elems_per_thread=16, programs_per_sm=4, STAGES=1),
+    "many": dict(ROWS=1, elems_per_thread=32, programs_per_sm=2, STAGES=3),
     "few": dict(ROWS=1, elems_per_thread=16, programs_per_sm=4, STAGES=1),
 }
 

@@ -73,9 +73,8 @@ def test_tp_that_does_not_fit_the_heads_is_refused(tiny_dir, tmp_path, tp, ep, f
 def test_killed_run_resumes_to_identical_bytes(tiny_dir, tmp_path):
     args = [str(tiny_dir), "--quant", "nvfp4", "--kv-cache", "fp8", "--calib-samples", "2",
             "--calib-seq-len", "16", "--shard-size", "0.06"]
-    ref = tmp_path / "ref"
-    subprocess.run(BEAM_TRT + ["convert", args[0], str(ref)] + args[1:], check=True,
-                   capture_output=True)
+    ref = convert(tiny_dir, tmp_path / "ref", ConvertOptions(  # the same options, uninterrupted
+        "nvfp4", "fp8", calib_samples=2, calib_seq_len=16, shard_size_mb=0.06))
     out = tmp_path / "out"
     env = dict(os.environ, BEAM_TRT_CONVERT_THROTTLE_S="0.03")
     proc = subprocess.Popen(BEAM_TRT + ["convert", args[0], str(out)] + args[1:], env=env,
