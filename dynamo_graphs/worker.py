@@ -224,7 +224,8 @@ class BeamWorker(LLMEngine):
                 finished = item.finished
                 if finished and item.finish_reason == "error":
                     raise Unknown(f"request {context.id()}: engine error: {item.error}")
-                if finished and self.prefill is not None and item.finish_reason != "abort":
+                if (finished and self.prefill is not None and item.finish_reason != "abort"
+                        and not is_probe(request)):  # a health probe leaves nothing pinned
                     chunk["disaggregated_params"] = self.prefill.export(rid)
                     chunk["disaggregated_params"]["cached_tokens"] = item.num_cached_tokens
                     exported = True
@@ -233,14 +234,14 @@ class BeamWorker(LLMEngine):
             self._by_context.pop(context.id(), None)
             if not finished:
                 self.loop.abort(rid)  # cancelled or failed mid-stream: free its KV now
-            elif self.prefill is not None and not exported:
+            elif self.prefill is not None and not exported and not is_probe(request):
                 self.engine.release(rid)  # finished but never handed over
 
     async def _admission(self, rid, prompt, sampling, request):
         """The engine call that queues this request (run later in the step thread), and the
         prompt tokens the prefill worker's cache served (decode role), else None."""
         engine = self.engine
-        if self.role == "prefill":
+        if self.role == "prefill" and not is_probe(request):
             return lambda: engine.add_request(rid, prompt, sampling, prefill_only=True), None
         if self.role == "decode" and not is_probe(request):
             try:

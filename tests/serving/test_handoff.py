@@ -158,3 +158,22 @@ def test_decode_worker_failure_policy(pair, engine_dir, policy):
         assert tokens == want
     _drain(prefill)
     _assert_free(pe, de)
+
+
+def test_a_health_probe_on_a_prefill_worker_pins_nothing(pair, engine_dir):
+    """Dynamo's canary probes bypass the prefill/decode split: no KV stays pinned."""
+    from dynamo.common.backend.health_check import build_health_check_payload, is_probe
+
+    from dynamo_graphs.worker import BeamWorker, parse_args
+
+    pe, de, a, b = pair
+    worker = BeamWorker(parse_args(["--engine-dir", str(engine_dir), "--role", "prefill"]))
+    worker.engine = pe
+    probe = build_health_check_payload(bos_token_id=1)
+    assert is_probe(probe)
+    add, cached = asyncio.run(worker._admission("probe-1", probe["token_ids"],
+                                                SamplingParams(max_tokens=1), probe))
+    add()
+    tokens, reason = _run(pe, "probe-1")
+    assert len(tokens) == 1 and reason == "length"
+    _assert_free(pe)

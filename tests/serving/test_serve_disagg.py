@@ -49,10 +49,17 @@ def test_disagg_greedy_output_is_the_engines(disagg, reference):
         ids = resp.model_extra["nvext"]["worker_id"]
         assert ids["prefill_worker_id"] != ids["decode_worker_id"]
     # Every READ's completion notification released the prefill side's pin (none by TTL).
-    handoff = wait_all_free(disagg)
-    prefill = next(s for s in handoff.values() if s["role"] == "prefill")["handoff"]
-    pulled = sum(s["transfers"]["pulled"] for s in handoff.values() if s["role"] == "decode")
-    assert prefill["released_done"] == prefill["exported"] == pulled >= len(PROMPTS)
+    # Status files are written asynchronously: poll (bounded) until the counts settle.
+    deadline = time.monotonic() + 10
+    while True:
+        status = wait_all_free(disagg)
+        prefill = next(s for s in status.values() if s["role"] == "prefill")["handoff"]
+        pulled = sum(s["transfers"]["pulled"] for s in status.values() if s["role"] == "decode")
+        counts = (prefill["released_done"], prefill["exported"], pulled)
+        if len(set(counts)) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert counts[0] == counts[1] == counts[2] >= len(PROMPTS), (prefill, pulled)
     assert prefill["released_ttl"] == prefill["released_failed"] == 0
 
 
