@@ -71,9 +71,15 @@ def dequantize_fp8(weight, weight_scale, dtype=torch.float32) -> torch.Tensor:
     return (w * scale).to(dtype)
 
 
+def quantize_fp8_activation(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """The codes of a static per-tensor FP8 activation quantizer: fp8(clamp(x / s, +-448))
+    (IEEE FP32 division, round to nearest even, saturating)."""
+    return (x.float() / input_scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def fake_quant_fp8_activation(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """What a static per-tensor FP8 activation quantizer does to x (W8A8 GEMM inputs)."""
-    q = (x.float() / input_scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = quantize_fp8_activation(x, input_scale)
     return (q.float() * input_scale.float()).to(x.dtype)
 
 

@@ -1,6 +1,7 @@
 """FP8 activation quantizers used by the fp8 moe/linear ops before their GEMMs.
 
-- per tensor (static scale s): q = fp8_e4m3(clamp(x / s, +-448))     (W8A8, ModelOpt input_scale)
+- per tensor (static scale s): q = fp8_e4m3(clamp(x / s, +-448))     (W8A8, ModelOpt input_scale;
+  `fp8_codes` is the Triton rule, shared with the norms and attention that emit FP8 directly)
 - per token per 128 channels (dynamic): s = max(amax, 1e-10) / 448, q = fp8_e4m3(x / s)
 Both divide with IEEE rounding (tl.div_rn) and round with plugins._common.e4m3_grid, so the
 codes equal those of beam_trtllm.quant_formats on the GPU and in Triton's interpreter.
@@ -21,11 +22,19 @@ ACT_EPS = 1e-10  # keeps an all-zero group's scale finite (quant_formats uses th
 
 
 @triton.jit
+def fp8_codes(x, scale):
+    """FP32 x -> the static per-tensor quantizer's codes fp8(clamp(x / scale, +-448)), as exact
+    FP32 values (store them with `.to(tl.float8e4nv)`). Every producer of FP8 activations
+    (this file's kernel, the norms, the attention epilogues) quantizes through here."""
+    return e4m3_grid(tl.div_rn(x, scale))
+
+
+@triton.jit
 def _quant_per_tensor_kernel(x_ptr, s_ptr, q_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = e4m3_grid(tl.div_rn(x, tl.load(s_ptr)))
+    q = fp8_codes(x, tl.load(s_ptr))
     tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
 
 

@@ -10,7 +10,8 @@ w_pre [H]; a, b, eps python floats -> (h' [T, H], x [T, H]) in h's dtype.
 Contract: functional, returns two new tensors (no out=; h is not updated in place).
 Matches `reference.residual_add(h, rms_norm(y, w_post), a, b)` followed by
 `rms_norm(h', w_pre)`; for the last layer w_pre is `model.norm.weight`. CUDA-graph safe.
-Bytes moved: 4·T·H·sizeof(dtype) (read h, y; write h', x).
+Bytes moved: 4·T·H·sizeof(dtype) (read h, y; write h', x). beam::add_rmsnorm_fp8 runs the same
+kernel and also writes x's FP8 codes for the next W8A8 GEMM.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import triton.language as tl
 
 from beam_trtllm.reference import residual_add, rms_norm
 
-from ._common import FLOAT_DTYPES, cast_rne, check, check_tensor
+from ._common import FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor
+from ._fp8_act import fp8_codes
 from .registry import dispatch, register
 from .rmsnorm import row_launch_params
 
@@ -35,10 +37,12 @@ def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, T,
-                        stride_h, stride_y, stride_ho, stride_x, H, a, b, eps,
-                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
-    # Persistent over tiles of ROWS rows, like beam::rmsnorm's kernel.
+def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_ptr, qs_ptr, T,
+                        stride_h, stride_y, stride_ho, stride_x, stride_q, H, a, b, eps,
+                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+                        QUANT: tl.constexpr):
+    # Persistent over tiles of ROWS rows, like beam::rmsnorm's kernel. QUANT: also the FP8
+    # codes of the rounded x with the static scale at qs_ptr (beam::add_rmsnorm_fp8).
     cols = tl.arange(0, BLOCK_H)[None, :]
     w_post = tl.load(wpost_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     w_pre = tl.load(wpre_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
@@ -57,41 +61,51 @@ def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, T,
         inv_rms_h = 1.0 / tl.sqrt_rn(tl.sum(h_new * h_new, axis=1) / H + eps)
         x = cast_rne(h_new * inv_rms_h[:, None] * w_pre, dtype)
         tl.store(x_ptr + rows * stride_x + cols, x, mask=mask)
+        if QUANT:
+            q = fp8_codes(x.to(tl.float32), tl.load(qs_ptr))
+            tl.store(q_ptr + rows * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
+
+
+def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
+                     x_scale: torch.Tensor | None = None):
+    """Launcher of the kernel -> (h', x, FP8 codes of x with x_scale, or None)."""
+    t, hidden = h.shape
+    h_new, x = torch.empty_like(h), torch.empty_like(h)
+    q = None if x_scale is None else torch.empty(h.shape, dtype=FP8_DTYPE, device=h.device)
+    if t:
+        grid, p = row_launch_params(t, hidden, h.device)
+        quant = (x, w_pre, 0) if q is None else (q, x_scale, q.stride(0))  # unread if None
+        _add_rmsnorm_kernel[(grid,)](
+            h, y, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(0),
+            h_new.stride(0), x.stride(0), quant[2], hidden, a, b, eps, QUANT=q is not None, **p)
+    return h_new, x, q
 
 
 @register(OP, "triton")
 def _launch_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
-    t, hidden = h.shape
-    h_new, x = torch.empty_like(h), torch.empty_like(h)
-    if t == 0:
-        return h_new, x
-    grid, p = row_launch_params(t, hidden, h.device)
-    _add_rmsnorm_kernel[(grid,)](
-        h, y, w_post, w_pre, h_new, x, t, h.stride(0), y.stride(0), h_new.stride(0),
-        x.stride(0), hidden, a, b, eps, **p)
-    return h_new, x
+    return add_rmsnorm_rows(h, y, w_post, w_pre, a, b, eps)[:2]
 
 
-def _check(h, y, w_post, w_pre) -> None:
-    check_tensor(OP, "h", h, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor(OP, "y", y, ndim=2, dtypes=(h.dtype,), device=h.device)
-    check(y.shape == h.shape, OP, f"y {tuple(y.shape)} must have h's shape {tuple(h.shape)}")
+def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP) -> None:
+    check_tensor(op, "h", h, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "y", y, ndim=2, dtypes=(h.dtype,), device=h.device)
+    check(y.shape == h.shape, op, f"y {tuple(y.shape)} must have h's shape {tuple(h.shape)}")
     for name, w in (("w_post", w_post), ("w_pre", w_pre)):
-        check_tensor(OP, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=h.device)
-        check(w.shape[0] == h.shape[1], OP,
+        check_tensor(op, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=h.device)
+        check(w.shape[0] == h.shape[1], op,
               f"{name} has {w.shape[0]} entries, rows have {h.shape[1]}")
-        check(w.stride(0) == 1, OP, f"{name} must be contiguous")
-    check(h.stride(1) == 1 and y.stride(1) == 1, OP, "h and y rows must be contiguous")
+        check(w.stride(0) == 1, op, f"{name} must be contiguous")
+    check(h.stride(1) == 1 and y.stride(1) == 1, op, "h and y rows must be contiguous")
 
 
 @torch.library.custom_op("beam::add_rmsnorm", mutates_args=())
 def add_rmsnorm(h: torch.Tensor, y: torch.Tensor, w_post: torch.Tensor, w_pre: torch.Tensor,
                 a: float, b: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(h, y, w_post, w_pre)
+    check_add_rmsnorm(h, y, w_post, w_pre)
     return dispatch(OP, h.device, h, y, w_post, w_pre, a, b, eps)
 
 
 @add_rmsnorm.register_fake
 def _(h, y, w_post, w_pre, a, b, eps):
-    _check(h, y, w_post, w_pre)
+    check_add_rmsnorm(h, y, w_post, w_pre)
     return torch.empty_like(h), torch.empty_like(h)

@@ -16,7 +16,8 @@ import triton.language as tl
 
 from beam_trtllm.reference import rms_norm
 
-from ._common import FLOAT_DTYPES, cast_rne, check, check_tensor, next_pow2, sm_count
+from ._common import FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2, sm_count
+from ._fp8_act import fp8_codes
 from .registry import dispatch, register
 
 OP = "rmsnorm"
@@ -28,11 +29,13 @@ def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, T, stride_x, stride_y, H, eps, ROWS: tl.constexpr,
-                    BLOCK_H: tl.constexpr, STAGES: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, T, stride_x, stride_y, stride_q, H, eps,
+                    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+                    QUANT: tl.constexpr):
     # Whole rows stay in registers (H <= 16K), so x is read once. A program loops over tiles of
     # ROWS rows (persistent grid): w is read once per program and, with STAGES > 1, the next
-    # tiles' loads are in flight while this one is reduced and stored.
+    # tiles' loads are in flight while this one is reduced and stored. QUANT: also the FP8
+    # codes of the rounded y with the static scale at qs_ptr (beam::rmsnorm_fp8).
     cols = tl.arange(0, BLOCK_H)[None, :]
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     for tile in tl.range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0),
@@ -41,8 +44,11 @@ def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, T, stride_x, stride_y, H, eps, ROWS: tl
         mask = (rows < T) & (cols < H)
         x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps)
-        y = x * inv_rms[:, None] * w
-        tl.store(y_ptr + rows * stride_y + cols, cast_rne(y, y_ptr.dtype.element_ty), mask=mask)
+        y = cast_rne(x * inv_rms[:, None] * w, y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows * stride_y + cols, y, mask=mask)
+        if QUANT:
+            q = fp8_codes(y.to(tl.float32), tl.load(qs_ptr))
+            tl.store(q_ptr + rows * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
 
 
 # Launch shape of the row kernels (rmsnorm, add_rmsnorm) for "many" rows (a prefill chunk) and
@@ -65,32 +71,40 @@ def row_launch_params(t: int, h: int, device: torch.device) -> tuple[int, dict]:
                       num_warps=next_pow2(warps))
 
 
-@register(OP, "triton")
-def _launch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 x_scale: torch.Tensor | None = None):
+    """Launcher of the kernel -> (y, FP8 codes of y with x_scale, or None)."""
     t, h = x.shape
     y = torch.empty_like(x)
-    if t == 0:
-        return y
-    grid, p = row_launch_params(t, h, x.device)
-    _rmsnorm_kernel[(grid,)](x, weight, y, t, x.stride(0), y.stride(0), h, eps, **p)
-    return y
+    q = None if x_scale is None else torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    if t:
+        grid, p = row_launch_params(t, h, x.device)
+        quant = (y, weight, 0) if q is None else (q, x_scale, q.stride(0))  # unread if None
+        _rmsnorm_kernel[(grid,)](x, weight, y, quant[0], quant[1], t, x.stride(0), y.stride(0),
+                                 quant[2], h, eps, QUANT=q is not None, **p)
+    return y, q
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    check_tensor(OP, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor(OP, "weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
-    check(weight.shape[0] == x.shape[1], OP,
+@register(OP, "triton")
+def _launch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rmsnorm_rows(x, weight, eps)[0]
+
+
+def check_rmsnorm(x: torch.Tensor, weight: torch.Tensor, op: str = OP) -> None:
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+    check(weight.shape[0] == x.shape[1], op,
           f"weight has {weight.shape[0]} entries but x rows have {x.shape[1]}")
-    check(x.stride(1) == 1 and weight.stride(0) == 1, OP, "x rows and weight must be contiguous")
+    check(x.stride(1) == 1 and weight.stride(0) == 1, op, "x rows and weight must be contiguous")
 
 
 @torch.library.custom_op("beam::rmsnorm", mutates_args=())
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    _check(x, weight)
+    check_rmsnorm(x, weight)
     return dispatch(OP, x.device, x, weight, eps)
 
 
 @rmsnorm.register_fake
 def _(x, weight, eps):
-    _check(x, weight)
+    check_rmsnorm(x, weight)
     return torch.empty_like(x)

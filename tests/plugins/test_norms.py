@@ -1,5 +1,6 @@
-"""beam::rmsnorm and beam::add_rmsnorm: the reference ops against a reference decoder layer's
-sublayer boundary, and the Triton kernels against the reference ops."""
+"""beam::rmsnorm and beam::add_rmsnorm (and their _fp8 forms, which also write the FP8 codes
+of their output): the reference ops against a reference decoder layer's sublayer boundary, and
+the Triton kernels against the reference ops."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 import plugins  # noqa: F401  (registers torch.ops.beam.*)
 from beam_trtllm.config import PRESETS
+from beam_trtllm.quant_formats import quantize_fp8_activation
 from beam_trtllm.reference import BeamDecoderLayer
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE
@@ -79,3 +81,50 @@ def test_add_rmsnorm_kernel_matches_reference(t, h, sublayer, dtype, rows, monke
     one, two = ("bf16-1ulp", "bf16-2ulp") if bf16 else ("fp32-reorder", "fp32-reorder")
     torch.testing.assert_close(got_h.cpu(), want_h, **tol(one, dtype))
     torch.testing.assert_close(got_x.cpu(), want_x, **tol(two, dtype))
+
+
+# ---------------------------------------------------------------------------- FP8 outputs
+def _codes(x):
+    return x.view(torch.uint8)
+
+
+def test_fp8_norm_ops_are_the_norms_plus_the_activation_quantizer():
+    """rmsnorm_fp8 / add_rmsnorm_fp8 (CPU: the references) give the plain ops' outputs bit for
+    bit and the codes linear_fp8 would make of them; values beyond 448 * scale saturate."""
+    h, y = _rows(6, 200, torch.bfloat16, 13), _rows(6, 200, torch.bfloat16, 14, scale=4.0)
+    w = (1.0 + 0.1 * _rows(1, 200, torch.float32, 15)[0]).to(torch.bfloat16)
+    scale = torch.tensor(2.5 / 448)  # |x| reaches ~4: the top of the range saturates
+    a, b = TINY.residual_coeffs(7)
+    h_new, x, q = torch.ops.beam.add_rmsnorm_fp8(h, y, w, w, scale, a, b, EPS)
+    assert all(torch.equal(u, v) for u, v in zip((h_new, x), ref_add_rmsnorm(h, y, w, w, a, b, EPS)))
+    assert torch.equal(_codes(q), _codes(quantize_fp8_activation(x, scale)))
+    assert (q.float().abs() == 448).any() and not q.float().isnan().any()
+    x1, q1 = torch.ops.beam.rmsnorm_fp8(h, w, scale, EPS)
+    assert torch.equal(x1, ref_rmsnorm(h, w, EPS))
+    assert torch.equal(_codes(q1), _codes(quantize_fp8_activation(x1, scale)))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,h", [(1, 64), (13, 200), (5, 1000)])
+def test_fp8_norm_kernels_match_reference(t, h, dtype, monkeypatch):
+    """The kernels' x / h' as the plain kernels' (tolerances above); their FP8 codes are exactly
+    the quantizer's of the x they return (same rounding, saturation, -0.0)."""
+    monkeypatch.setitem(ROW_CONFIG, "few", dict(ROW_CONFIG["few"], ROWS=4, programs_per_sm=1))
+    hs, y = _rows(t, h, dtype, 16), _rows(t, h, dtype, 17, scale=5.0)
+    w_post = (1.0 + 0.1 * _rows(1, h, torch.float32, 18)[0]).to(dtype)
+    w_pre = (1.0 + 0.1 * _rows(1, h, torch.float32, 19)[0]).to(dtype)
+    scale = torch.tensor(3.0 / 448)
+    a, b = TINY.residual_coeffs(9)
+    dev = KERNEL_DEVICE
+    got_h, got_x, got_q = (v.cpu() for v in torch.ops.beam.add_rmsnorm_fp8(
+        hs.to(dev), y.to(dev), w_post.to(dev), w_pre.to(dev), scale.to(dev), a, b, EPS))
+    want_h, want_x = ref_add_rmsnorm(hs, y, w_post, w_pre, a, b, EPS)
+    one, two = ("bf16-1ulp", "bf16-2ulp") if dtype == torch.bfloat16 else ("fp32-reorder",) * 2
+    torch.testing.assert_close(got_h, want_h, **tol(one, dtype))
+    torch.testing.assert_close(got_x, want_x, **tol(two, dtype))
+    assert torch.equal(_codes(got_q), _codes(quantize_fp8_activation(got_x, scale)))
+    got_y, got_q = (v.cpu() for v in torch.ops.beam.rmsnorm_fp8(
+        hs.to(dev), w_pre.to(dev), scale.to(dev), EPS))
+    torch.testing.assert_close(got_y, ref_rmsnorm(hs, w_pre, EPS), **tol(one, dtype))
+    assert torch.equal(_codes(got_q), _codes(quantize_fp8_activation(got_y, scale)))
