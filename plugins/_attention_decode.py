@@ -4,7 +4,8 @@ At batch 1 a full layer has only Hkv = 8 (sequence, KV head) pairs: one program 
 use 8 of the H200's 132 SMs. The cached keys of each pair are cut into NUM_SPLITS contiguous
 ranges, each program folds one range into a partial (max, sum, output) for the G query heads
 of its KV head (G rows of one tensor-core tile, so K/V are read once per group), and a second
-kernel merges the partials, applies the gate and writes the output. NUM_SPLITS comes from
+kernel merges the partials, applies the gate and writes the output (or, given the o_proj's
+input scale, its FP8 codes). NUM_SPLITS comes from
 shapes only (batch, heads, the cache's addressable length), so the launch is CUDA-graph safe.
 """
 
@@ -15,8 +16,8 @@ import triton
 import triton.language as tl
 
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
-                               softmax_step)
-from ._common import cast_rne, is_fp8, next_pow2, sm_count
+                               softmax_step, store_output)
+from ._common import FP8_DTYPE, TL_DTYPES, is_fp8, next_pow2, sm_count
 
 # Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
 # 128-key tiles for long contexts, 64 for short ones (a 512-slot ring: fewer idle lanes), and
@@ -87,10 +88,11 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
 
 
 @triton.jit
-def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr,
+def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr,
                            HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                            D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                           ACT: tl.constexpr, OUT_FP8: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -114,8 +116,8 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
     heads = h * G + g
     gate = tl.load(gate_ptr + b * HQ + heads, mask=g < G, other=0.0)
     o = acc / tl.where(total == 0.0, 1.0, total)[:, None] * gate[:, None]
-    tl.store(out_ptr + (b * HQ + heads[:, None]).to(tl.int64) * D + d[None, :],
-             cast_rne(o, out_ptr.dtype.element_ty), mask=gd_mask)
+    store_output(out_ptr, (b * HQ + heads[:, None]).to(tl.int64) * D + d[None, :], o, gd_mask,
+                 out_scale_ptr, ACT, OUT_FP8)
 
 
 def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device,
@@ -128,7 +130,7 @@ def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.
 
 
 def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, cache_index,
-                  window, k_scale, v_scale, config=None):
+                  window, k_scale, v_scale, out_scale=None, config=None):
     cfg = dict(DECODE_CONFIG, **(config or {}))
     b, hq, d = q.shape
     hkv, block_size, m = k_new.shape[1], k_cache.shape[1], cache_index.shape[1]
@@ -150,8 +152,10 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
         BLOCK_N=block_n, NUM_SPLITS=splits, IS_FP8=is_fp8(k_cache.dtype),
         DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    out = q.new_empty(b, hq * d)
+    out = q.new_empty(b, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
     _decode_combine_kernel[(b, hkv)](
-        part_o, part_m, part_l, gate, out, HQ=hq, HKV=hkv, G=g, D=d, BLOCK_G=next_pow2(g),
-        BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), num_warps=4)
+        part_o, part_m, part_l, gate, out, gate if out_scale is None else out_scale, HQ=hq,
+        HKV=hkv, G=g, D=d, BLOCK_G=next_pow2(g), BLOCK_D=block_d, NUM_SPLITS=splits,
+        BLOCK_S=next_pow2(splits), ACT=TL_DTYPES[q.dtype], OUT_FP8=out_scale is not None,
+        num_warps=4)
     return out

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
-                               softmax_step)
-from ._common import cast_rne, is_fp8, next_pow2
+                               softmax_step, store_output)
+from ._common import FP8_DTYPE, is_fp8, next_pow2
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU; the interpreter gets small tiles so
 # that the CPU tests spend their time on the shapes that matter, not on padding.
@@ -64,13 +64,14 @@ def _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn, strid
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, kc_ptr, vc_ptr, cu_ptr,
+def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, out_scale_ptr, kc_ptr, vc_ptr, cu_ptr,
                     q_start_ptr, hist_ptr, index_ptr, ks_ptr, vs_ptr, B,
                     stride_kn, stride_knh, stride_vn, stride_vnh, M, block_size, stride_blk,
                     stride_row, stride_head, window, qk_scale,
                     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SEARCH_STEPS: tl.constexpr, IS_FP8: tl.constexpr, DOT_PREC: tl.constexpr):
+                    SEARCH_STEPS: tl.constexpr, IS_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
+                    OUT_FP8: tl.constexpr):
     tile, h = tl.program_id(0), tl.program_id(1)
     b = _find_sequence(cu_ptr, tile, B, BLOCK_Q, SEARCH_STEPS)
     seq_lo = tl.load(cu_ptr + b)
@@ -128,12 +129,12 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, kc_ptr, vc_ptr, cu
                                   p_last, d, window, qk_scale, D, BLOCK_N, True, DOT_PREC)
         gate = tl.load(gate_ptr + (seq_lo + tok).to(tl.int64) * HQ + head, mask=row_ok, other=0.0)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * gate[:, None]
-        tl.store(out_ptr + q_rows[:, None] * D + d[None, :], cast_rne(o, out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (d[None, :] < D))
+        store_output(out_ptr, q_rows[:, None] * D + d[None, :], o,
+                     row_ok[:, None] & (d[None, :] < D), out_scale_ptr, dtype, OUT_FP8)
 
 
 def launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
-                   cache_index, window, k_scale, v_scale, config=None):
+                   cache_index, window, k_scale, v_scale, out_scale=None, config=None):
     from .registry import triton_interpreted
 
     cfg = dict(INTERPRETER_CONFIG if triton_interpreted() else PREFILL_CONFIG, **(config or {}))
@@ -142,15 +143,15 @@ def launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_star
     g = hq // hkv
     block_m = max(cfg["BLOCK_M"], next_pow2(g))
     block_q = block_m // g
-    out = q.new_empty(t, hq * d)
+    out = q.new_empty(t, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
     grid = (t // block_q + b, hkv)
     _prefill_kernel[grid](
-        q, k_new, v_new, gate, out, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
+        q, k_new, v_new, gate, out, gate if out_scale is None else out_scale, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
         cache_index, k_scale, v_scale, b, k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), cache_index.shape[1], k_cache.shape[1], k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), window, LOG2E / d**0.5,
         HQ=hq, G=g, D=d, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_N=cfg["BLOCK_N"], SEARCH_STEPS=max(1, (b - 1).bit_length()),
         IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        OUT_FP8=out_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

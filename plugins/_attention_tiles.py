@@ -5,7 +5,10 @@ log2(e) / sqrt(D) (and k_scale for FP8 caches) once per tile."""
 from __future__ import annotations
 
 import triton
-import triton.language as tl  # noqa: F401  (triton.jit below)
+import triton.language as tl
+
+from ._common import cast_rne
+from ._fp8_act import fp8_codes
 
 LOG2E = 1.4426950408889634
 
@@ -46,3 +49,15 @@ def dot_precision(dtype) -> str:
     import torch
 
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def store_output(out_ptr, offs, o, mask, out_scale_ptr, ACT: tl.constexpr,
+                 OUT_FP8: tl.constexpr):
+    """The attention output o (FP32) rounded to the activation dtype ACT, as the reference
+    does; with OUT_FP8 stored instead as the FP8 codes of that rounded value with the static
+    scale at out_scale_ptr (the o_proj's input_scale: its W8A8 GEMM reads them directly)."""
+    o = cast_rne(o, ACT)
+    if OUT_FP8:
+        o = fp8_codes(o.to(tl.float32), tl.load(out_scale_ptr)).to(tl.float8e4nv)
+    tl.store(out_ptr + offs, o, mask=mask)

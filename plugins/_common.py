@@ -40,6 +40,7 @@ def check_tensor(op: str, name: str, t: torch.Tensor, ndim: int | None = None,
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 CACHE_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
 
 
@@ -149,3 +150,27 @@ def cast_rne(x, dtype: tl.constexpr):
     elif dtype == tl.float8e4nv:
         x = e4m3_grid(x)
     return x.to(dtype)
+
+
+@triton.jit
+def rows_times_weights(x_ptr, stride_x, w_ptr, stride_w, t, e, k_lo, k_hi, T, E,
+                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """FP32 sums x[t, k_lo:k_hi] · w[e, k_lo:k_hi] -> [BLOCK_T, BLOCK_E] for token rows t
+    [BLOCK_T] < T and weight rows e [BLOCK_E] < E (both contiguous in k). x is taken in w's
+    dtype (the router's FP32 weight upcasts it; a 16-bit weight of x's dtype multiplies as is):
+    USE_DOT a tensor-core product (DOT_PREC for FP32 operands), else FP32 FMAs, for a few
+    tokens whose cost is reading w once (beam::group_router's logits, qk_prep's gate)."""
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :],
+                    mask=(t[:, None] < T) & (kk[None, :] < k_hi), other=0.0)
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + kk[None, :],
+                    mask=(e[:, None] < E) & (kk[None, :] < k_hi), other=0.0)
+        x = x.to(w.dtype)
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc

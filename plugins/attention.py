@@ -17,8 +17,10 @@ Full layer: cache_index is the block table (paged). Sliding layer: one ring row 
 Shapes / dtypes: q [T, Hq, D], k_new / v_new [T, Hkv, D] (fp32, bf16, fp16; one dtype);
 gate [T, Hq] fp32; k_cache / v_cache [N, bs, Hkv, D] (q's dtype or float8_e4m3fn, where the
 value is entry * k_scale / v_scale); cu_seqlens_q [B+1], q_start [B], hist_start [B],
-cache_index [B, M] int32; window int (0 = full); k_scale, v_scale fp32 []
--> out [T, Hq·D] in q's dtype.
+cache_index [B, M] int32; window int (0 = full); k_scale, v_scale fp32 []; out_scale fp32 []
+or None -> out [T, Hq·D] in q's dtype, or with out_scale the float8_e4m3fn codes
+fp8(clamp(out / out_scale, ±448)) of that rounded output: the o_proj's static input_scale, so
+its W8A8 GEMM (beam::linear_fp8 on FP8 input) needs no quantizer launch of its own.
 Contract: functional, returns a new tensor; reads the caches only. Every sequence has at
 least one query token (so T == B means a pure decode step: the split-KV kernel runs; any
 other T takes the tiled prefill kernel). hist_start <= q_start. On sliding layers the cache
@@ -29,14 +31,17 @@ must hold the `window - 1` positions before q_start (DESIGN.md §3). FP32 softma
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
+from beam_trtllm.quant_formats import quantize_fp8_activation
 from beam_trtllm.reference import attention_mask
 
 from ._attention_decode import launch_decode
 from ._attention_prefill import launch_prefill
-from ._common import FLOAT_DTYPES, check, check_cache_pair, check_tensor, from_cache, is_fp8
+from ._common import (FLOAT_DTYPES, FP8_DTYPE, check, check_cache_pair, check_tensor, from_cache,
+                      is_fp8)
 from .registry import dispatch, register
 
 OP = "attention"
@@ -56,7 +61,7 @@ def attend(q, k, v, visible, gate) -> torch.Tensor:
 
 @register(OP, "reference")
 def ref_attention(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
-                  cache_index, window: int, k_scale, v_scale) -> torch.Tensor:
+                  cache_index, window: int, k_scale, v_scale, out_scale=None) -> torch.Tensor:
     t, hq, d = q.shape
     block_size, m = k_cache.shape[1], cache_index.shape[1]
     out = q.new_empty(t, hq * d)
@@ -78,21 +83,21 @@ def ref_attention(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start
         v_all = torch.cat([v_old, v_new[lo:hi].float()])
         o = attend(q[lo:hi], k_all, v_all, visible, gate[lo:hi])
         out[lo:hi] = o.to(q.dtype).flatten(1)
-    return out
+    return out if out_scale is None else quantize_fp8_activation(out, out_scale)
 
 
 @register(OP, "triton")
 def _launch_attention(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
-                      cache_index, window: int, k_scale, v_scale) -> torch.Tensor:
+                      cache_index, window: int, k_scale, v_scale, out_scale=None) -> torch.Tensor:
     if q.shape[0] == cu_seqlens_q.shape[0] - 1:  # T == B: one query per sequence, decode
         return launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start,
-                             cache_index, window, k_scale, v_scale)
+                             cache_index, window, k_scale, v_scale, out_scale)
     return launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start,
-                          hist_start, cache_index, window, k_scale, v_scale)
+                          hist_start, cache_index, window, k_scale, v_scale, out_scale)
 
 
 def _check(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
-           cache_index, window: int, k_scale, v_scale) -> None:
+           cache_index, window: int, k_scale, v_scale, out_scale=None) -> None:
     check_tensor(OP, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
     dev, (t, hq, d) = q.device, q.shape
     for name, x in (("k_new", k_new), ("v_new", v_new)):
@@ -122,22 +127,26 @@ def _check(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_
     check(cache_index.shape[0] == b and cache_index.is_contiguous(), OP,
           f"cache_index must be contiguous [B={b}, M], got {tuple(cache_index.shape)}")
     check(window >= 0, OP, f"window must be >= 0 (0 = full attention), got {window}")
+    if out_scale is not None:
+        check_tensor(OP, "out_scale", out_scale, ndim=0, dtypes=(torch.float32,), device=dev)
 
 
 @torch.library.custom_op("beam::attention", mutates_args=())
 def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, gate: torch.Tensor,
               k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
               q_start: torch.Tensor, hist_start: torch.Tensor, cache_index: torch.Tensor,
-              window: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+              window: int, k_scale: torch.Tensor, v_scale: torch.Tensor,
+              out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     args = (q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
-            cache_index, window, k_scale, v_scale)
+            cache_index, window, k_scale, v_scale, out_scale)
     _check(*args)
     return dispatch(OP, q.device, *args)
 
 
 @attention.register_fake
 def _(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start, cache_index,
-      window, k_scale, v_scale):
+      window, k_scale, v_scale, out_scale=None):
     _check(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
-           cache_index, window, k_scale, v_scale)
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+           cache_index, window, k_scale, v_scale, out_scale)
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2],
+                       dtype=q.dtype if out_scale is None else FP8_DTYPE)

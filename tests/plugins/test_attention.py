@@ -8,6 +8,7 @@ import torch
 
 import plugins  # noqa: F401  (registers torch.ops.beam.*)
 from beam_trtllm.config import PRESETS
+from beam_trtllm.quant_formats import quantize_fp8_activation
 from beam_trtllm.reference import BeamAttention, LayerKV
 from conftest import tol
 from kernel_cases import DTYPE_CASES, KERNEL_DEVICE, OpsAttentionLayer, Seq, attention_case
@@ -116,3 +117,19 @@ def test_attention_kernel_matches_reference(kind, step, dtype, kv_dtype):
                             for k, v in case.items()})
     assert not got.isnan().any(), "the kernel read a cache row it must not read"
     torch.testing.assert_close(got.cpu(), want, **tol("attention", dtype))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("step", ["mixed", "decode"])
+def test_fp8_output_is_the_quantized_output(device, step):
+    """With out_scale (o_proj's input_scale) the op returns the FP8 codes of exactly the output
+    it returns without it: decode combine and prefill epilogue; saturating, never NaN."""
+    seqs = (MIXED if step == "mixed" else DECODE)["sliding"]
+    case = attention_case(seqs, 6, 2, 32, 8, 16, torch.bfloat16, FP8_DTYPE, seed=5, device=device)
+    out = torch.ops.beam.attention(**case)
+    scale = (out.float().abs().amax() / 600).to(device)  # the largest outputs saturate
+    got = torch.ops.beam.attention(**case, out_scale=scale)
+    assert got.dtype == FP8_DTYPE and got.shape == out.shape
+    want = quantize_fp8_activation(out, scale)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert (got.float().abs() == 448).any() and not got.float().isnan().any()
