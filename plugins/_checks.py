@@ -25,8 +25,8 @@ def check_tensor(op: str, name: str, t: torch.Tensor, shape: tuple, dtypes: tupl
     _expect(t.dtype in dtypes, op, f"{name} has dtype {t.dtype}, expected one of {names}")
 
 
-def check_linear_x(op: str, x: torch.Tensor, k: int) -> None:
-    check_tensor(op, "x", x, (None,) * max(x.dim(), 1), ACT_DTYPES)
+def check_linear_x(op: str, x: torch.Tensor, k: int, dtypes: tuple = ACT_DTYPES) -> None:
+    check_tensor(op, "x", x, (None,) * max(x.dim(), 1), dtypes)
     _expect(x.dim() >= 1 and x.shape[-1] == k, op, f"x has shape {list(x.shape)}, expected [..., {k}]")
 
 

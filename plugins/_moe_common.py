@@ -29,10 +29,9 @@ import triton.language as tl
 
 from ._checks import ACT_DTYPES, _expect, check_tensor
 from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix)
-from ._common import bf16_grid
+from ._common import TL_DTYPES, bf16_grid  # noqa: F401  (TL_DTYPES: re-exported)
 from .registry import PluginError
 
-TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
 ONE_PROGRAM_ALIGN = 4096  # up to this many pairs the token sort is one program (one launch)
 
@@ -308,6 +307,31 @@ def mma_fp8(acc, a, w, SWAP: tl.constexpr, PROMOTE: tl.constexpr):
     else:
         acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
     return acc
+
+
+@triton.jit
+def fp8_gemm_loop(a_ptrs, a_rows_ok, w_ptrs, n_mask, K, up_offset, GATED: tl.constexpr,
+                  SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """The K loop of the FP8 W8A8 GEMMs (moe_fp8, linear_fp8): activation codes [BLOCK_M,
+    BLOCK_K] (rows `a_rows_ok`) times weight codes [BLOCK_N, BLOCK_K] (rows `n_mask`), both
+    contiguous in K; with GATED also the weight rows `up_offset` elements further (an expert's
+    up_proj) into a second accumulator. Few tokens: SWAP puts the weights on the MMA's M side
+    (see `mma`). -> (acc, acc_up), unscaled FP32 sums, [BN, BM] with SWAP else [BM, BN]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=a_rows_ok[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        acc = mma_fp8(acc, a, tl.load(w_ptrs, mask=w_mask, other=0.0), SWAP, BLOCK_K)
+        if GATED:
+            w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            acc_up = mma_fp8(acc_up, a, w_up, SWAP, BLOCK_K)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, acc_up
 
 
 @triton.jit

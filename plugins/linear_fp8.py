@@ -4,59 +4,80 @@ per-tensor activation scale (W8A8), in the checkpoint layout of docs/DESIGN.md Â
     y = q(x) @ W^T,   q(x) = fp8_e4m3(clamp(x / input_scale, +-448)) * input_scale,
     W = weight * weight_scale (a scalar, or one scale per output row)
 
-Inputs: x [..., K] bf16 / fp16 / fp32; weight [N, K] float8_e4m3fn; weight_scale fp32 [] or [N];
-input_scale fp32 []. Output: a new [..., N] tensor in x.dtype (no `out=`; inputs are never
-written). On CUDA the GEMM is torch._scaled_mm (FP8 tensor cores, FP32 accumulation) where its
-shape rules hold (K and N multiples of 16), the Triton kernel below otherwise.
+Inputs: x [..., K] bf16 / fp16 / fp32, or float8_e4m3fn holding the codes
+fp8_e4m3(clamp(x / input_scale, +-448)) already (what beam::add_rmsnorm_fp8, rmsnorm_fp8 and
+attention(out_scale=input_scale) write: the quantizer's launch is saved); weight [N, K]
+float8_e4m3fn; weight_scale fp32 [] or [N]; input_scale fp32 []; out_dtype: None for a
+floating x (the output takes x's dtype), required for FP8 codes (bf16 / fp16 / fp32).
+Output: a new [..., N] tensor (no `out=`; inputs are never written).
+On CUDA, up to SMALL_M tokens (decode) run the Triton GEMM with the weights on the MMA's M side
+(the swap-AB loop shared with beam::moe_fp8, `_moe_common.fp8_gemm_loop`): cuBLAS picks a
+128-row tile for M = 1 and read the weights at 2.6-3.3x their floor in the engine bench. More
+tokens run torch._scaled_mm (FP8 tensor cores, FP32 accumulation) where its shape rules hold
+(K and N multiples of 16), the Triton GEMM otherwise.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
+from beam_trtllm.quant_formats import dequantize_fp8, quantize_fp8_activation
 
-from ._checks import _expect, check_device, check_linear_x, check_tensor
+from ._checks import ACT_DTYPES, _expect, check_device, check_linear_x, check_tensor
 from ._fp8_act import quant_fp8_per_tensor
-from ._moe_common import acc_zeros, mma_fp8, round_to, tile_of, unswap
+from ._moe_common import fp8_gemm_loop, round_to, tile_of, unswap
 from ._tiles import linear_config
 from .registry import dispatch, register
 
 OP = "linear_fp8"
 FP8 = (torch.float8_e4m3fn,)
+SMALL_M = 16  # up to this many tokens the Triton swap-AB GEMM runs on CUDA too
 
 
-def check_linear_fp8(x, weight, weight_scale, input_scale):
+def check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype=None) -> torch.dtype:
+    """-> the output dtype."""
     check_tensor(OP, "weight", weight, (None, None), FP8)
     n, k = weight.shape
-    check_linear_x(OP, x, k)
+    check_linear_x(OP, x, k, ACT_DTYPES + FP8)
+    if x.dtype in FP8:
+        _expect(out_dtype in ACT_DTYPES, OP, f"x holds FP8 codes: out_dtype must be one of "
+                f"bfloat16, float16, float32, got {out_dtype}")
+    else:
+        _expect(out_dtype in (None, x.dtype), OP,
+                f"out_dtype {out_dtype} differs from x's dtype {x.dtype}")
     _expect(weight_scale.dim() == 0 or tuple(weight_scale.shape) == (n,), OP,
             f"weight_scale has shape {list(weight_scale.shape)}, expected [] or [{n}]")
     check_tensor(OP, "weight_scale", weight_scale, tuple(weight_scale.shape), (torch.float32,))
     check_tensor(OP, "input_scale", input_scale, (), (torch.float32,))
     check_device(OP, x, weight=weight, weight_scale=weight_scale, input_scale=input_scale)
+    return out_dtype or x.dtype
 
 
 @register(OP, "reference")
-def ref_linear_fp8(x, weight, weight_scale, input_scale):
-    check_linear_fp8(x, weight, weight_scale, input_scale)
-    xq = fake_quant_fp8_activation(x.float(), input_scale)  # FP32 math on exact decoded values
-    return F.linear(xq, dequantize_fp8(weight, weight_scale)).to(x.dtype)
+def ref_linear_fp8(x, weight, weight_scale, input_scale, out_dtype=None):
+    out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype)
+    codes = x if x.dtype in FP8 else quantize_fp8_activation(x, input_scale)
+    xq = codes.float() * input_scale  # FP32 math on exact decoded values
+    return F.linear(xq, dequantize_fp8(weight, weight_scale)).to(out_dtype)
 
 
 @torch.library.custom_op("beam::linear_fp8", mutates_args=())
 def linear_fp8(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    return dispatch(OP, x.device, x, weight, weight_scale, input_scale)
+    return dispatch(OP, x.device, x, weight, weight_scale, input_scale, out_dtype)
 
 
 @linear_fp8.register_fake
-def _(x, weight, weight_scale, input_scale):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _(x, weight, weight_scale, input_scale, out_dtype=None):
+    out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------- triton
@@ -74,14 +95,8 @@ def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, 
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = mma_fp8(acc, a, w, SWAP, BLOCK_K)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, _ = fp8_gemm_loop(x_ptrs, m_mask, w_ptrs, n_mask, K, 0, False, SWAP, BLOCK_M, BLOCK_N,
+                           BLOCK_K)
     w_scale = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     out = round_to(unswap(acc, SWAP) * tl.load(xs_ptr) * w_scale[None, :], dtype)
@@ -89,33 +104,43 @@ def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, 
     tl.store(y_ptrs, out.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _scaled_mm_ok(x, n, k, weight_scale) -> bool:
-    """torch._scaled_mm's rules: CUDA, K and N multiples of 16; a per-row weight scale needs
-    row-wise scaling, which returns BF16 only."""
-    if not (x.is_cuda and hasattr(torch, "_scaled_mm") and k % 16 == 0 and n % 16 == 0):
+def takes_scaled_mm(m: int, n: int, k: int, weight_scale, out_dtype, cuda: bool) -> bool:
+    """The launcher's choice (a function of shapes only, so the launch-count test can ask what
+    a GPU would run): torch._scaled_mm for more than SMALL_M tokens where its rules hold (CUDA,
+    K and N multiples of 16; a per-row weight scale needs row-wise scaling, BF16 output only)."""
+    if not (cuda and hasattr(torch, "_scaled_mm") and m > SMALL_M and k % 16 == 0
+            and n % 16 == 0):
         return False
-    return weight_scale.dim() == 0 or x.dtype == torch.bfloat16
+    return weight_scale.dim() == 0 or out_dtype == torch.bfloat16
+
+
+def _scaled_mm(xq, weight, weight_scale, input_scale, out_dtype):
+    m, n = xq.shape[0], weight.shape[0]
+    if weight_scale.dim() == 0:
+        return torch._scaled_mm(xq, weight.t(), scale_a=input_scale, scale_b=weight_scale,
+                                out_dtype=out_dtype)
+    # row-wise: scale_a [M, 1], scale_b [1, N]
+    return torch._scaled_mm(xq, weight.t(), scale_a=input_scale.expand(m, 1).contiguous(),
+                            scale_b=weight_scale.view(1, n), out_dtype=out_dtype)
 
 
 @register(OP, "triton")
-def linear_fp8_triton(x, weight, weight_scale, input_scale, use_scaled_mm=None, config=None):
-    """Launcher: quantize x with the static scale, then torch._scaled_mm (CUDA, where its shape
-    rules hold) or the Triton GEMM. `use_scaled_mm` / `config` override (tests, bench/)."""
-    check_linear_fp8(x, weight, weight_scale, input_scale)
+def linear_fp8_triton(x, weight, weight_scale, input_scale, out_dtype=None, use_scaled_mm=None,
+                      config=None):
+    """Launcher: quantize x with the static scale (unless it holds FP8 codes already), then the
+    Triton GEMM or torch._scaled_mm (see `takes_scaled_mm`; the `use_scaled_mm` / `config`
+    arguments override the choice: tests and bench/)."""
+    out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    xq = quant_fp8_per_tensor(x2, input_scale)
-    use = _scaled_mm_ok(x, n, k, weight_scale) if use_scaled_mm is None else use_scaled_mm
-    if use and m:
-        if weight_scale.dim() == 0:
-            y = torch._scaled_mm(xq, weight.t(), scale_a=input_scale, scale_b=weight_scale,
-                                 out_dtype=x.dtype)
-        else:  # row-wise: scale_a [M, 1], scale_b [1, N]
-            y = torch._scaled_mm(xq, weight.t(), scale_a=input_scale.expand(m, 1).contiguous(),
-                                 scale_b=weight_scale.view(1, n), out_dtype=x.dtype)
+    xq = x2.contiguous() if x.dtype in FP8 else quant_fp8_per_tensor(x2, input_scale)
+    if use_scaled_mm is None:
+        use_scaled_mm = takes_scaled_mm(m, n, k, weight_scale, out_dtype, x.is_cuda)
+    if use_scaled_mm and m:
+        y = _scaled_mm(xq, weight, weight_scale, input_scale, out_dtype)
         return y.reshape(*x.shape[:-1], n)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m:
         cfg = config or linear_config(m, 1)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
@@ -127,3 +152,4 @@ def linear_fp8_triton(x, weight, weight_scale, input_scale, use_scaled_mm=None, 
             num_stages=cfg.num_stages,
         )
     return y.reshape(*x.shape[:-1], n)
+

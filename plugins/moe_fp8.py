@@ -31,8 +31,8 @@ from ._common import e4m3_grid
 from ._fp8_act import quant_fp8_per_tensor
 from ._checks import check_device
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, acc_zeros, block_rows, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, mma_fp8,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, fp8_gemm_loop,
     plan_routing, ref_moe, round_to, routing_ptrs, silu_mul, tile_of, unswap,
 )
 from .registry import dispatch, register
@@ -104,18 +104,8 @@ def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        acc = mma_fp8(acc, a, tl.load(w_ptrs, mask=w_mask, other=0.0), SWAP, BLOCK_K)
-        if GATED:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up = mma_fp8(acc_up, a, w_up, SWAP, BLOCK_K)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, acc_up = fp8_gemm_loop(a_ptrs, valid, w_ptrs, n_mask, K, N * stride_wn, GATED, SWAP,
+                                BLOCK_M, BLOCK_N, BLOCK_K)
     a_scale = tl.load(a_scale_ptr)
     ws_ptrs = ws_ptr + expert * stride_se + offs_n
     gate = unswap(acc, SWAP) * a_scale * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]

@@ -7,6 +7,7 @@ import torch
 
 import plugins  # noqa: F401
 from _linear_testdata import linear_args
+from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE
 from plugins import linear_fp8, linear_fp8_block, linear_nvfp4
@@ -43,3 +44,17 @@ def test_fp8_per_row_scale_and_leading_dims_through_the_op():
     out = torch.ops.beam.linear_fp8(*args)  # TRITON_INTERPRET=1: the Triton GEMM
     assert out.shape == (2, 5, 40)
     torch.testing.assert_close(out, linear_fp8.ref_linear_fp8(*args), **_tol("fp8", torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 19])
+def test_fp8_codes_input_is_the_same_gemm(dtype, t):
+    """x given as its FP8 codes (what the norms / attention write) + out_dtype: the same GEMM
+    on the same codes as x given in `dtype`, bit for bit, and the reference's result."""
+    x = torch.randn(t, 208, generator=torch.Generator().manual_seed(t)).to(dtype)
+    x, w, s, xs = (a.to(KERNEL_DEVICE) for a in linear_args("fp8", x, n=72, seed=t, per_row=True))
+    codes = quantize_fp8_activation(x, xs)
+    out = linear_fp8.linear_fp8_triton(codes, w, s, xs, dtype)
+    assert out.dtype == dtype and torch.equal(out, linear_fp8.linear_fp8_triton(x, w, s, xs))
+    torch.testing.assert_close(out, linear_fp8.ref_linear_fp8(codes, w, s, xs, dtype),
+                               **_tol("fp8", dtype))

@@ -46,3 +46,35 @@ def test_errors_name_the_input():
     with pytest.raises(PluginError, match=r"weight_scale has shape \[1, 2\], expected \[1, 1\]"):
         linear_fp8_block.ref_linear_fp8_block(x, w8, torch.ones(1, 2))
     assert qf.FP8_BLOCK == 128
+
+
+def test_fp8_codes_input_reference_meta_and_errors(monkeypatch):
+    """linear_fp8 on FP8 codes: the reference decodes them with input_scale (equal to the op on
+    the unquantized x), the fake impl takes out_dtype, and a missing or conflicting out_dtype
+    is one clear error."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    _, w, s, xs = linear_args("fp8", x, n=32, seed=2, per_row=True)
+    codes = qf.quantize_fp8_activation(x, xs)
+    y = torch.ops.beam.linear_fp8(codes, w, s, xs, torch.bfloat16)
+    assert torch.equal(y, torch.ops.beam.linear_fp8(x, w, s, xs))
+    meta = torch.ops.beam.linear_fp8(*(a.to("meta") for a in (codes, w, s, xs)), torch.float32)
+    assert meta.shape == (3, 32) and meta.dtype == torch.float32
+    with pytest.raises(PluginError, match="x holds FP8 codes: out_dtype must be one of"):
+        torch.ops.beam.linear_fp8(codes, w, s, xs)
+    with pytest.raises(PluginError, match="out_dtype torch.float16 differs from x's dtype"):
+        torch.ops.beam.linear_fp8(x, w, s, xs, torch.float16)
+
+
+def test_fp8_gemm_path_choice():
+    """Decode-sized M runs the Triton swap-AB GEMM on CUDA too; cuBLAS from SMALL_M + 1 tokens
+    where its rules hold (K, N multiples of 16; row-wise scales only with BF16 output)."""
+    per_tensor, per_row = torch.tensor(1.0), torch.ones(64)
+    small = linear_fp8.SMALL_M
+    assert not linear_fp8.takes_scaled_mm(1, 64, 64, per_row, torch.bfloat16, cuda=True)
+    assert not linear_fp8.takes_scaled_mm(small, 64, 64, per_row, torch.bfloat16, cuda=True)
+    assert linear_fp8.takes_scaled_mm(small + 1, 64, 64, per_row, torch.bfloat16, cuda=True)
+    assert not linear_fp8.takes_scaled_mm(small + 1, 64, 64, per_row, torch.float32, cuda=True)
+    assert linear_fp8.takes_scaled_mm(small + 1, 64, 64, per_tensor, torch.float32, cuda=True)
+    assert not linear_fp8.takes_scaled_mm(small + 1, 64, 72, per_tensor, torch.float32, cuda=True)
+    assert not linear_fp8.takes_scaled_mm(4096, 64, 64, per_tensor, torch.bfloat16, cuda=False)
