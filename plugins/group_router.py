@@ -27,7 +27,7 @@ import triton.language as tl
 
 from beam_trtllm.reference import route
 
-from ._common import FLOAT_DTYPES, check, check_tensor, next_pow2
+from ._common import FLOAT_DTYPES, check, check_tensor, next_pow2, rows_times_weights
 from .registry import dispatch, register
 
 OP = "group_router"
@@ -55,17 +55,8 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, BLOCK_T: tl.
     split = tl.program_id(2)
     per = tl.cdiv(tl.cdiv(H, SPLIT), BLOCK_H) * BLOCK_H
     h_hi = tl.minimum(split * per + per, H)
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in range(split * per, h_hi, BLOCK_H):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + hh[None, :],
-                    mask=(t[:, None] < T) & (hh[None, :] < h_hi), other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * H + hh[None, :],
-                    mask=(e[:, None] < E) & (hh[None, :] < h_hi), other=0.0)
-        if USE_DOT:  # many tokens: FP32-accurate matrix product (IEEE or 3xTF32)
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
-        else:  # a few tokens: a GEMV, bound by reading W once
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    acc = rows_times_weights(x_ptr, stride_x, w_ptr, H, t, e, split * per, h_hi, T, E, BLOCK_T,
+                             BLOCK_E, BLOCK_H, USE_DOT, DOT_PREC)
     out = out_ptr + split.to(tl.int64) * T * E
     tl.store(out + t[:, None].to(tl.int64) * E + e[None, :], acc,
              mask=(t[:, None] < T) & (e[None, :] < E))

@@ -1,7 +1,10 @@
-"""beam::qk_prep — everything between the packed QKV+gate projection and the attention.
+"""beam::qk_prep — everything between the packed QKV(+gate) projection and the attention.
 
 From one row of the packed projection `qkvg[t] = [q (Hq·D) | k (Hkv·D) | v (Hkv·D) | g (Hq)]`
-of the token at position p:
+of the token at position p (or, given x and g_weight, `qkv[t]` without g, and the gate logits
+computed here: g = x[t] · g_weight^T, summed in FP32 and rounded to x's dtype, which is what
+the reference's g_proj gives; the shipped recipes keep g_proj in BF16 while q/k/v are FP8, so
+this saves the gate's own GEMM, cuBLAS' split-K reduce and a concat):
 
     q_h = RMSNorm(q_h; q_norm_w),  k_h = RMSNorm(k_h; k_norm_w)       per head, rounded to dtype
     full layer (NoPE):   q_h = q_h * (1 + p / ssmax_base) ** ssmax_exponent
@@ -9,12 +12,15 @@ of the token at position p:
     gate = sigmoid(g) in FP32
     k_cache / v_cache row at slot_mapping[t] = store(k), store(v)     (as beam::cache_write)
 
-Shapes / dtypes: qkvg [T, Hq·D + 2·Hkv·D + Hq] (fp32, bf16, fp16), positions [T] int32/int64,
+Shapes / dtypes: qkvg [T, Hq·D + 2·Hkv·D + Hq] (fp32, bf16, fp16), or [T, Hq·D + 2·Hkv·D]
+with x [T, H] and g_weight [Hq, H] (both in qkvg's dtype); positions [T] int32/int64,
 q_norm_weight, k_norm_weight [D], k_cache, v_cache [N, bs, Hkv, D] (see cache_write),
 slot_mapping [T] int64 (-1 = do not write), k_scale, v_scale fp32 [] (FP8 caches only)
 -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] in qkvg's dtype, gate [T, Hq] fp32.
-Hkv and D come from the cache and the norm weight; Hq from qkvg's width.
+Hkv and D come from the cache and the norm weight; Hq from qkvg's width (or g_weight).
 Contract: returns four new tensors and mutates k_cache / v_cache (only the slots >= 0).
+One launch: per token, one program per 16 query heads and one for k, v and the cache rows;
+the gate GEMM's tiles are further programs of the same grid.
 Matches `reference.BeamAttention.project` (rms_norm, apply_rope, ssmax_scale). RoPE angles and
 the SSMax scale are computed in float64 like the reference, so they stay exact at 1M
 positions (the angle is reduced to [-pi, pi] in float64 before an FP32 cos/sin). CUDA-graph safe.
@@ -23,39 +29,50 @@ positions (the angle is reduced to [-pi, pi] in float64 before an FP32 cos/sin).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from beam_trtllm.reference import apply_rope, rms_norm, ssmax_scale
 
-from ._common import FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2
+from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix, for the gate tiles)
+from ._attention_tiles import dot_precision
+from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2,
+                      rows_times_weights)
 from .cache_write import check_slots, ref_cache_write, store_cache_rows
 from .registry import dispatch, register
 
 OP = "qk_prep"
 
 
-def split_qkvg(qkvg: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """(Hq, width) of a packed projection; raises if the width is not Hq·D + 2·Hkv·D + Hq."""
+def split_qkvg(qkvg: torch.Tensor, num_kv_heads: int, head_dim: int,
+               packed_gate: bool = True) -> tuple[int, int]:
+    """(Hq, width) of a packed projection; raises if the width is not Hq·D + 2·Hkv·D + Hq
+    (or Hq·D + 2·Hkv·D without the packed gate)."""
     width = qkvg.shape[-1]
     rest = width - 2 * num_kv_heads * head_dim
-    hq = rest // (head_dim + 1)
-    check(rest > 0 and rest % (head_dim + 1) == 0 and hq % num_kv_heads == 0, OP,
-          f"qkvg width {width} is not Hq*D + 2*Hkv*D + Hq for D={head_dim}, Hkv={num_kv_heads} "
-          "and Hq a multiple of Hkv")
+    per_head = head_dim + (1 if packed_gate else 0)
+    hq = rest // per_head
+    check(rest > 0 and rest % per_head == 0 and hq % num_kv_heads == 0, OP,
+          f"qkvg width {width} is not Hq*D + 2*Hkv*D{' + Hq' if packed_gate else ''} for "
+          f"D={head_dim}, Hkv={num_kv_heads} and Hq a multiple of Hkv")
     return hq, width
 
 
 @register(OP, "reference")
 def ref_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
                 k_scale, v_scale, is_full: bool, eps: float, rope_theta: float,
-                ssmax_base: float, ssmax_exponent: float):
+                ssmax_base: float, ssmax_exponent: float, x=None, g_weight=None):
     t, (hkv, d) = qkvg.shape[0], k_cache.shape[2:]
-    hq, _ = split_qkvg(qkvg, hkv, d)
-    q, k, v, g = qkvg.split([hq * d, hkv * d, hkv * d, hq], dim=1)
+    hq, _ = split_qkvg(qkvg, hkv, d, packed_gate=g_weight is None)
+    if g_weight is None:
+        q, k, v, g = qkvg.split([hq * d, hkv * d, hkv * d, hq], dim=1)
+    else:  # the reference's g_proj: a Linear in the model dtype
+        (q, k, v), g = qkvg.split([hq * d, hkv * d, hkv * d], dim=1), F.linear(x, g_weight)
     q = rms_norm(q.reshape(t, hq, d), q_norm_weight, eps)
     k = rms_norm(k.reshape(t, hkv, d), k_norm_weight, eps)
     v = v.reshape(t, hkv, d).clone(memory_format=torch.contiguous_format)
@@ -116,30 +133,32 @@ def _rotation(pos_ptr, t, d, IS_FULL: tl.constexpr, D: tl.constexpr, ln_theta_hi
 
 
 @triton.jit
-def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
-                    q_ptr, k_ptr, v_ptr, g_ptr, stride_t, block_size, stride_blk, stride_row,
-                    stride_head, eps, ln_theta_hi, ln_theta_lo, two_pi_hi, two_pi_lo,
-                    inv_base_hi, inv_base_lo, exp_hi, exp_lo, IS_FULL: tl.constexpr,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QH: tl.constexpr,
-                    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D2: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, HQ: tl.constexpr, D: tl.constexpr,
+            QH: tl.constexpr):
+    """Query heads [part * QH, part * QH + QH) of token t: RMSNorm, then RoPE or SSMax."""
     D2: tl.constexpr = D // 2
     dtype = q_ptr.dtype.element_ty
-    row = qkvg_ptr + t * stride_t
-    d = tl.arange(0, BLOCK_D2)[None, :]
-    cos, sin = _rotation(pos_ptr, t, d, IS_FULL, D, ln_theta_hi, ln_theta_lo, two_pi_hi,
-                         two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo)
     qw1 = tl.load(qw_ptr + d, mask=d < D2, other=0.0).to(tl.float32)
     qw2 = tl.load(qw_ptr + D2 + d, mask=d < D2, other=0.0).to(tl.float32)
-    for h0 in tl.static_range(0, HQ, QH):  # QH query heads at a time bounds register use
-        hq = h0 + tl.arange(0, QH)[:, None]
-        mq = (hq < HQ) & (d < D2)
-        q1 = tl.load(row + hq * D + d, mask=mq, other=0.0).to(tl.float32)
-        q2 = tl.load(row + hq * D + D2 + d, mask=mq, other=0.0).to(tl.float32)
-        q1, q2 = _rms_halves(q1, q2, qw1, qw2, eps, D, dtype)
-        out_q = q_ptr + t * HQ * D + hq * D + d
-        tl.store(out_q, cast_rne(q1 * cos - q2 * sin, dtype), mask=mq)
-        tl.store(out_q + D2, cast_rne(q2 * cos + q1 * sin, dtype), mask=mq)
+    hq = part * QH + tl.arange(0, QH)[:, None]
+    mq = (hq < HQ) & (d < D2)
+    q1 = tl.load(row + hq * D + d, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(row + hq * D + D2 + d, mask=mq, other=0.0).to(tl.float32)
+    q1, q2 = _rms_halves(q1, q2, qw1, qw2, eps, D, dtype)
+    out_q = q_ptr + t * HQ * D + hq * D + d
+    tl.store(out_q, cast_rne(q1 * cos - q2 * sin, dtype), mask=mq)
+    tl.store(out_q + D2, cast_rne(q2 * cos + q1 * sin, dtype), mask=mq)
+
+
+@triton.jit
+def _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, t, d, cos, sin,
+             block_size, stride_blk, stride_row, stride_head, eps, IS_FULL: tl.constexpr,
+             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_HKV: tl.constexpr,
+             BLOCK_D2: tl.constexpr):
+    """Token t's KV heads: k normed (and RoPE'd on sliding layers), v copied, both stored into
+    the cache slot of the token."""
+    D2: tl.constexpr = D // 2
+    dtype = k_ptr.dtype.element_ty
     hk = tl.arange(0, BLOCK_HKV)[:, None]
     mk = (hk < HKV) & (d < D2)
     k1 = tl.load(row + HQ * D + hk * D + d, mask=mk, other=0.0).to(tl.float32)
@@ -154,14 +173,10 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
     out_k = k_ptr + t * HKV * D + hk * D + d
     tl.store(out_k, k1.to(dtype), mask=mk)  # k1, k2 already hold dtype values
     tl.store(out_k + D2, k2.to(dtype), mask=mk)
-    # v: copied through; gate: FP32 sigmoid of the logits
-    dv = tl.arange(0, 2 * BLOCK_D2)[None, :]
+    dv = tl.arange(0, 2 * BLOCK_D2)[None, :]  # v: copied through
     mv = (hk < HKV) & (dv < D)
     v = tl.load(row + HQ * D + HKV * D + hk * D + dv, mask=mv, other=0.0)
     tl.store(v_ptr + t * HKV * D + hk * D + dv, v, mask=mv)
-    hg = tl.arange(0, BLOCK_HQ)
-    g = tl.load(row + HQ * D + 2 * HKV * D + hg, mask=hg < HQ, other=0.0).to(tl.float32)
-    tl.store(g_ptr + t * HQ + hg, 1.0 / (1.0 + tl.exp(-g)), mask=hg < HQ)
     # cache rows: the rounded k as returned, v as is
     slot = tl.load(slot_ptr + t)
     kscale = tl.load(ks_ptr)
@@ -174,30 +189,114 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
                      v.to(tl.float32), tl.load(vs_ptr), mv)
 
 
+@triton.jit
+def _gate_from_x(x_ptr, wg_ptr, g_ptr, tile, T, H, stride_x, HQ: tl.constexpr,
+                 GATE_T: tl.constexpr, GATE_G: tl.constexpr, GATE_K: tl.constexpr,
+                 GATE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """gate = sigmoid(g) for GATE_T tokens x GATE_G heads, g = x · g_weight^T summed in FP32
+    and rounded to x's dtype (the reference's BF16 g_proj output), sigmoid in FP32."""
+    n_heads = (HQ + GATE_G - 1) // GATE_G
+    t = (tile // n_heads) * GATE_T + tl.arange(0, GATE_T)
+    e = (tile % n_heads) * GATE_G + tl.arange(0, GATE_G)
+    g = rows_times_weights(x_ptr, stride_x, wg_ptr, H, t, e, 0, H, T, HQ, GATE_T, GATE_G,
+                           GATE_K, GATE_DOT, DOT_PREC)
+    g = cast_rne(g, x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(g_ptr + t[:, None].to(tl.int64) * HQ + e[None, :], 1.0 / (1.0 + tl.exp(-g)),
+             mask=(t[:, None] < T) & (e[None, :] < HQ))
+
+
+@triton.jit
+def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+                    x_ptr, wg_ptr, q_ptr, k_ptr, v_ptr, g_ptr, T, H, stride_t, stride_x,
+                    block_size, stride_blk, stride_row, stride_head, eps, ln_theta_hi,
+                    ln_theta_lo, two_pi_hi, two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo,
+                    IS_FULL: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                    QH: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                    BLOCK_D2: tl.constexpr, GATE_X: tl.constexpr, GATE_T: tl.constexpr,
+                    GATE_G: tl.constexpr, GATE_K: tl.constexpr, GATE_DOT: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    # Programs [0, T * PARTS): token pid // PARTS, part pid % PARTS (a block of QH query heads,
+    # or the last part: k, v, the cache rows and a packed gate). GATE_X: the programs after
+    # those compute the gate from x tile by tile (tokens x heads).
+    PARTS: tl.constexpr = (HQ + QH - 1) // QH + 1
+    pid = tl.program_id(0)
+    if pid < T * PARTS:
+        t = (pid // PARTS).to(tl.int64)
+        part = pid % PARTS
+        row = qkvg_ptr + t * stride_t
+        d = tl.arange(0, BLOCK_D2)[None, :]
+        # (each branch computes the angles itself: cos/sin live across the branch made ptxas
+        # spill around libdevice's slow path of sinf/cosf)
+        if part < PARTS - 1:
+            cos, sin = _rotation(pos_ptr, t, d, IS_FULL, D, ln_theta_hi, ln_theta_lo, two_pi_hi,
+                                 two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo)
+            _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, HQ, D, QH)
+        else:
+            cos, sin = _rotation(pos_ptr, t, d, IS_FULL, D, ln_theta_hi, ln_theta_lo, two_pi_hi,
+                                 two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo)
+            _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, t, d,
+                     cos, sin, block_size, stride_blk, stride_row, stride_head, eps, IS_FULL, HQ,
+                     HKV, D, BLOCK_HKV, BLOCK_D2)
+            if not GATE_X:  # packed gate logits: FP32 sigmoid
+                hg = tl.arange(0, BLOCK_HQ)
+                g = tl.load(row + HQ * D + 2 * HKV * D + hg, mask=hg < HQ, other=0.0)
+                g = g.to(tl.float32)
+                tl.store(g_ptr + t * HQ + hg, 1.0 / (1.0 + tl.exp(-g)), mask=hg < HQ)
+    elif GATE_X:
+        _gate_from_x(x_ptr, wg_ptr, g_ptr, pid - T * PARTS, T, H, stride_x, HQ, GATE_T, GATE_G,
+                     GATE_K, GATE_DOT, DOT_PREC)
+
+
+# The gate GEMM x [T, H] · g_weight^T [H, Hq] (Hq = 48 for Beam). Up to `fma_tokens` tokens:
+# FP32 FMAs, two heads a program, so a batch-1 step reads the 0.5 MB weight over Hq / 2
+# programs (the router's logits do the same). More: tensor-core tiles of up to `tile_tokens`
+# tokens, 16 heads wide up to `narrow_tokens` tokens (more programs), the whole (padded) head
+# dim beyond (the weight is then read once per token tile). Not tuned on a GPU yet.
+GATE_CONFIG = dict(fma_tokens=4, narrow_tokens=256, tile_tokens=64)
+
+
+def gate_launch_params(t: int, hq: int) -> dict:
+    c = GATE_CONFIG
+    if t <= c["fma_tokens"]:
+        return dict(GATE_T=next_pow2(t), GATE_G=2, GATE_K=1024, GATE_DOT=False)
+    gate_g = 16 if t <= c["narrow_tokens"] else max(16, min(64, next_pow2(hq)))
+    return dict(GATE_T=min(c["tile_tokens"], max(16, next_pow2(t))), GATE_G=gate_g, GATE_K=64,
+                GATE_DOT=True)
+
+
 @register(OP, "triton")
 def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
                     k_scale, v_scale, is_full: bool, eps: float, rope_theta: float,
-                    ssmax_base: float, ssmax_exponent: float):
+                    ssmax_base: float, ssmax_exponent: float, x=None, g_weight=None):
     t, (hkv, d) = qkvg.shape[0], k_cache.shape[2:]
-    hq, _ = split_qkvg(qkvg, hkv, d)
+    hq, _ = split_qkvg(qkvg, hkv, d, packed_gate=g_weight is None)
     q = qkvg.new_empty(t, hq, d)
     k, v = qkvg.new_empty(t, hkv, d), qkvg.new_empty(t, hkv, d)
     gate = qkvg.new_empty(t, hq, dtype=torch.float32)
     if t == 0:
         return q, k, v, gate
-    _qk_prep_kernel[(t,)](
+    qh = min(16, next_pow2(hq))
+    grid = t * (triton.cdiv(hq, qh) + 1)
+    gate_x = g_weight is not None
+    if gate_x:
+        gp = gate_launch_params(t, hq)
+        grid += triton.cdiv(t, gp["GATE_T"]) * triton.cdiv(hq, gp["GATE_G"])
+    else:  # no gate programs; x and g_weight are never read
+        gp = dict(GATE_T=1, GATE_G=1, GATE_K=1, GATE_DOT=False)
+        x = g_weight = qkvg
+    _qk_prep_kernel[(grid,)](
         qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping, k_scale,
-        v_scale, q, k, v, gate, qkvg.stride(0), k_cache.shape[1], k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), eps, *f64_pair(math.log(rope_theta)),
-        *f64_pair(2 * math.pi),
-        *f64_pair(1.0 / ssmax_base), *f64_pair(ssmax_exponent), IS_FULL=is_full, HQ=hq,
-        HKV=hkv, D=d, QH=min(16, next_pow2(hq)), BLOCK_HQ=next_pow2(hq),
-        BLOCK_HKV=next_pow2(hkv), BLOCK_D2=next_pow2(d // 2), num_warps=4)
+        v_scale, x, g_weight, q, k, v, gate, t, x.shape[1], qkvg.stride(0), x.stride(0),
+        k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        *f64_pair(math.log(rope_theta)), *f64_pair(2 * math.pi), *f64_pair(1.0 / ssmax_base),
+        *f64_pair(ssmax_exponent), IS_FULL=is_full, HQ=hq, HKV=hkv, D=d, QH=qh,
+        BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv), BLOCK_D2=next_pow2(d // 2),
+        GATE_X=gate_x, DOT_PREC=dot_precision(qkvg.dtype), num_warps=4, **gp)
     return q, k, v, gate
 
 
 def _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
-           k_scale, v_scale) -> int:
+           k_scale, v_scale, x=None, g_weight=None) -> int:
     check_tensor(OP, "qkvg", qkvg, ndim=2, dtypes=FLOAT_DTYPES)
     check(qkvg.stride(1) == 1, OP, "qkvg rows must be contiguous")
     dev, t = qkvg.device, qkvg.shape[0]
@@ -209,7 +308,16 @@ def _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         check_tensor(OP, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
         check(w.shape[0] == d and w.stride(0) == 1, OP, f"{name} must be contiguous [{d}]")
-    hq, _ = split_qkvg(qkvg, hkv, d)
+    check((x is None) == (g_weight is None), OP, "x and g_weight come together (gate from x)")
+    hq, _ = split_qkvg(qkvg, hkv, d, packed_gate=g_weight is None)
+    if g_weight is not None:
+        check_tensor(OP, "x", x, ndim=2, dtypes=(qkvg.dtype,), device=dev)
+        check(x.shape[0] == t and x.stride(1) == 1, OP,
+              f"x must be [{t}, H] with contiguous rows, got {tuple(x.shape)}")
+        check_tensor(OP, "g_weight", g_weight, ndim=2, dtypes=(qkvg.dtype,), device=dev)
+        check(tuple(g_weight.shape) == (hq, x.shape[1]) and g_weight.is_contiguous(), OP,
+              f"g_weight must be contiguous [Hq={hq}, H={x.shape[1]}], got "
+              f"{tuple(g_weight.shape)}")
     check_cache_pair(OP, k_cache, v_cache, k_scale, v_scale, dev)
     check_slots(OP, slot_mapping, t, dev)
     return hq
@@ -220,19 +328,21 @@ def qk_prep(qkvg: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Te
             k_norm_weight: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
             is_full: bool, eps: float, rope_theta: float, ssmax_base: float,
-            ssmax_exponent: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            ssmax_exponent: float, x: Optional[torch.Tensor] = None,
+            g_weight: Optional[torch.Tensor] = None,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
-           k_scale, v_scale)
+           k_scale, v_scale, x, g_weight)
     return dispatch(OP, qkvg.device, qkvg, positions, q_norm_weight, k_norm_weight, k_cache,
                     v_cache, slot_mapping, k_scale, v_scale, is_full, eps, rope_theta,
-                    ssmax_base, ssmax_exponent)
+                    ssmax_base, ssmax_exponent, x, g_weight)
 
 
 @qk_prep.register_fake
 def _(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping, k_scale,
-      v_scale, is_full, eps, rope_theta, ssmax_base, ssmax_exponent):
+      v_scale, is_full, eps, rope_theta, ssmax_base, ssmax_exponent, x=None, g_weight=None):
     hq = _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
-                k_scale, v_scale)
+                k_scale, v_scale, x, g_weight)
     t, (hkv, d) = qkvg.shape[0], k_cache.shape[2:]
     return (qkvg.new_empty(t, hq, d), qkvg.new_empty(t, hkv, d), qkvg.new_empty(t, hkv, d),
             qkvg.new_empty(t, hq, dtype=torch.float32))

@@ -14,7 +14,7 @@ from conftest import tol
 from kernel_cases import DTYPE_CASES, KERNEL_DEVICE
 from plugins._common import FP8_DTYPE, to_cache
 from plugins.cache_write import ref_cache_write
-from plugins.qk_prep import ref_qk_prep
+from plugins.qk_prep import GATE_CONFIG, ref_qk_prep
 
 TINY = PRESETS["tiny"]
 EPS, THETA = TINY.rms_norm_eps, TINY.rope_theta
@@ -32,9 +32,10 @@ def _bits(x):
     return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
+@pytest.mark.parametrize("gate", ["packed", "from_x"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["full", "sliding"])
-def test_ref_qk_prep_is_the_reference_projection(kind, dtype):
+def test_ref_qk_prep_is_the_reference_projection(kind, dtype, gate):
     layer = TINY.full_layers[0] if kind == "full" else TINY.sliding_layers[0]
     torch.manual_seed(0)
     attn = BeamAttention(TINY, layer).to(dtype).eval().requires_grad_(False)
@@ -46,14 +47,17 @@ def test_ref_qk_prep_is_the_reference_projection(kind, dtype):
     x = torch.randn(1, t, TINY.hidden_size).to(dtype)
     pos = torch.tensor([[0, 1, 5, 8, 300, 301, 4095, 100_000, 1_000_000]])  # far positions too
     q_want, k_want, v_want, g_want = attn.project(x, pos)
-    w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.g_proj.weight])
-    qkvg = x[0] @ w.t()
+    w = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.g_proj.weight]
+    # packed: one GEMM for q, k, v and the gate logits; from_x: q, k, v only, and the op
+    # computes the gate from x and g_proj's weight
+    gate_args = (x[0], attn.g_proj.weight) if gate == "from_x" else ()
+    qkvg = x[0] @ torch.cat(w[:3] if gate_args else w).t()
     hkv, d = TINY.num_key_value_heads, TINY.head_dim
     k_cache, v_cache, ks, vs = _caches(4, 8, hkv, d, dtype)
     slots = torch.tensor([3, -1, 0, 31, 17, -1, 8, 9, 30])
     q, k, v, g = ref_qk_prep(qkvg, pos[0], attn.q_norm.weight, attn.k_norm.weight, k_cache,
                              v_cache, slots, ks, vs, kind == "full", EPS, THETA,
-                             TINY.ssmax_base, TINY.ssmax_exponent)
+                             TINY.ssmax_base, TINY.ssmax_exponent, *gate_args)
     # The packed projection is the same matmul as the reference's separate ones up to the
     # GEMM's blocking, so compare at the matmul's own rounding.
     what = "fp32-reorder" if dtype == torch.float32 else "qk-prep"
@@ -132,3 +136,37 @@ def test_cache_write_kernel_is_exact(dtype, kv_dtype):
     torch.ops.beam.cache_write(k.to(dev), v.to(dev), got_k, got_v, slots.to(dev), ks_d, vs_d)
     assert torch.equal(_bits(got_k.cpu()), _bits(want_k))
     assert torch.equal(_bits(got_v.cpu()), _bits(want_v))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3, 21])
+def test_qk_prep_kernel_gate_from_x_matches_reference(t, dtype, monkeypatch):
+    """qkvg without the gate columns, gate = sigmoid(bf16(x · g_weight^T)) computed in the op;
+    q/k/v/cache as with the packed gate. H = 200 (not a tile multiple), Hq = 18 (two programs
+    of query heads per token, two 16-head gate tiles, both partial), G = 6 as in Beam; 1 and 3
+    tokens take the FMA path, 21 two 16-token tensor-core tiles (the second partial)."""
+    monkeypatch.setitem(GATE_CONFIG, "tile_tokens", 16)
+    hq, hkv, d, h, bs = 18, 3, 32, 200, 5
+    qkvg, positions, qw, kw = _qkvg_case(t, hq, hkv, d, dtype, seed=7 + t)
+    qkv = qkvg[:, :-hq].contiguous()
+    gen = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, h, generator=gen) * 2).to(dtype)  # a normed hidden row, RMS ~ 2
+    g_weight = (torch.randn(hq, h, generator=gen) * h**-0.5).to(dtype)
+    slots = torch.randperm(7 * bs)[:t] if t <= 7 * bs else torch.full((t,), -1)
+    rest = (False, EPS, THETA, 2048.0, 0.1)
+    want_caches = _caches(7, bs, hkv, d, torch.bfloat16 if dtype == torch.bfloat16 else dtype)
+    want = ref_qk_prep(qkv, positions, qw, kw, *want_caches[:2], slots, *want_caches[2:], *rest,
+                       x, g_weight)
+    dev = KERNEL_DEVICE
+    caches = [c.to(dev) for c in want_caches]
+    caches[0].fill_(float("nan")), caches[1].fill_(float("nan"))
+    got = torch.ops.beam.qk_prep(qkv.to(dev), positions.to(dev), qw.to(dev), kw.to(dev),
+                                 caches[0], caches[1], slots.to(dev), *caches[2:], *rest,
+                                 x.to(dev), g_weight.to(dev))
+    q, k, v, g = (o.cpu() for o in got)
+    torch.testing.assert_close(q, want[0], **tol("qk-prep", dtype))
+    torch.testing.assert_close(k, want[1], **tol("qk-prep", dtype))
+    assert torch.equal(v, want[2])
+    torch.testing.assert_close(g, want[3], **tol("gate-from-x", dtype))
+    assert torch.equal(_bits(caches[0].cpu()), _bits(want_caches[0]))
