@@ -123,7 +123,8 @@ def kernel_choices(target: str, plan: dict, kv_dtype: str) -> dict:
     experts = sorted({layer.get("experts") for layer in plan.values() if layer.get("experts")})
     linear = sorted({seg["format"] for layer in plan.values() for name, segs in layer.items()
                      if name != "experts" for seg in segs})
-    ops = {"norms": "beam::rmsnorm, beam::add_rmsnorm", "attention": "beam::qk_prep, beam::attention, beam::cache_write",
+    ops = {"norms": "beam::rmsnorm, beam::add_rmsnorm (their _fp8 forms before FP8 W8A8 GEMMs)",
+           "attention": "beam::qk_prep, beam::attention, beam::cache_write",
            "router": "beam::group_router",
            "moe": [f"beam::moe_{fmt}" for fmt in experts],
            "linear": [("torch.matmul" if f == "bf16" else f"beam::linear_{f}") for f in linear],

@@ -1,10 +1,17 @@
 """Beam's forward pass for one engine step, through the `beam::` ops (docs/DESIGN.md §2).
 
-All sequences of a step are flattened into T tokens. Per layer: one packed QKV+gate GEMM,
+All sequences of a step are flattened into T tokens. Per layer: one packed QKV(+gate) GEMM,
 `qk_prep` (norms, RoPE or SSMax, gate, cache store), `attention` (paged or ring cache plus the
 step's own keys), the output projection, one fused `add_rmsnorm` per sublayer boundary, and
 either the dense SwiGLU or `group_router` + one `moe_*` call. Activations are BF16 on every
 device; the KV cache layout and the restore rule are in `kv_cache.py` and docs/ENGINE.md.
+
+Launches saved where the checkpoint allows (same numerics, docs/ENGINE.md "Decode launches"):
+- a BF16 g_proj packed after non-BF16 q/k/v (the shipped recipes) is no GEMM: `qk_prep`
+  computes the gate from x and the g weight;
+- a Linear whose first segment is FP8 W8A8 gets its input as FP8 codes from the op that makes
+  it: the norm before it (`rmsnorm_fp8` / `add_rmsnorm_fp8`, with the Linear's input_scale)
+  or, for o_proj, the attention (`out_scale`), so `linear_fp8` runs no quantizer.
 """
 
 from __future__ import annotations
@@ -49,11 +56,24 @@ class StepInputs:
     logits_rows: torch.Tensor    # [S] int64 rows whose logits are sampled
 
 
-def _linear(x: torch.Tensor, segments: list[tuple[str, dict]]) -> torch.Tensor:
+def fp8_input_scale(segments: list[tuple[str, dict]]) -> torch.Tensor | None:
+    """The static activation scale of a packed Linear whose first segment is FP8 W8A8: the op
+    that produces its input also writes the FP8 codes with it (see the module docstring)."""
+    fmt, w = segments[0]
+    return w["input_scale"] if fmt == "fp8" else None
+
+
+def _linear(x: torch.Tensor | None, segments: list[tuple[str, dict]],
+            xq: torch.Tensor | None = None) -> torch.Tensor:
+    """x: the BF16 input (None when xq is all the segments need); xq: its FP8 codes with the
+    first segment's input_scale (`fp8_input_scale`), or None."""
     outs = []
-    for fmt, w in segments:
+    for j, (fmt, w) in enumerate(segments):
         if fmt == "bf16":
             outs.append(F.linear(x, w["weight"]))
+        elif fmt == "fp8" and j == 0 and xq is not None:
+            outs.append(_ops().linear_fp8(xq, w["weight"], w["weight_scale"], w["input_scale"],
+                                          ACT_DTYPE))
         elif fmt == "fp8":
             outs.append(_ops().linear_fp8(x, w["weight"], w["weight_scale"], w["input_scale"]))
         elif fmt == "fp8_block":
@@ -93,6 +113,16 @@ class BeamModel:
                 raise EngineError(f"engine.json: layer{i} has no plan for {name}")
             layer[name] = [(seg["format"], take.prefix(f"{p}{name}.{s}."))
                            for s, seg in enumerate(plan[name])]
+        layer["g_weight"] = None
+        qkvg, segs = layer["self_attn.qkvg_proj"], plan["self_attn.qkvg_proj"]
+        if len(qkvg) > 1 and qkvg[-1][0] == "bf16" and segs[-1]["parts"] == ["self_attn.g_proj"]:
+            layer["g_weight"] = qkvg[-1][1]["weight"]  # qk_prep computes the gate from x
+            layer["self_attn.qkvg_proj"] = qkvg[:-1]
+        layer["attn_in_scale"] = fp8_input_scale(layer["self_attn.qkvg_proj"])
+        layer["o_in_scale"] = (fp8_input_scale(layer["self_attn.o_proj"])
+                               if len(layer["self_attn.o_proj"]) == 1 else None)
+        layer["ffn_in_scale"] = (None if self.cfg.is_moe(i)
+                                 else fp8_input_scale(layer["mlp.gate_up_proj"]))
         if self.cfg.is_moe(i):
             layer["router_w"] = take(f"{p}mlp.gate.weight")
             layer["router_b"] = take(f"{p}mlp.gate.e_score_correction_bias")
@@ -107,59 +137,79 @@ class BeamModel:
     def forward(self, s: StepInputs) -> torch.Tensor:
         """-> logits [S, V] fp32 of the rows in `s.logits_rows`."""
         h = F.embedding(s.input_ids, self.embed)
-        x = self.ops.rmsnorm(h, self.layers[0]["input_layernorm"], self.cfg.rms_norm_eps)
+        x, xq = self.input_norm(h)
         for i in range(len(self.layers)):
-            h, x = self.layer(i, h, x, s)
+            h, x, xq = self.layer(i, h, x, xq, s)
         return self.logits(x, s)
 
-    def layer(self, i: int, h: torch.Tensor, x: torch.Tensor, s: StepInputs):
-        """Decoder layer i: (residual stream h, its pre-attention norm x) -> the same for the
-        next layer (after the last, x is the final norm's output)."""
-        cfg, ops, layer = self.cfg, self.ops, self.layers[i]
-        eps = cfg.rms_norm_eps
-        y = self._attention(i, layer, x, s)
-        a, b = cfg.residual_coeffs(2 * i)
-        h, x = ops.add_rmsnorm(h, y, layer["post_attention_layernorm"],
-                               layer["pre_feedforward_layernorm"], a, b, eps)
-        y = self._ffn(i, layer, x)
-        a, b = cfg.residual_coeffs(2 * i + 1)
-        nxt = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else self.final_norm
-        return ops.add_rmsnorm(h, y, layer["post_feedforward_layernorm"], nxt, a, b, eps)
+    def input_norm(self, h: torch.Tensor):
+        """Layer 0's pre-attention norm -> (x, its FP8 codes for the q/k/v GEMM or None)."""
+        layer0, eps = self.layers[0], self.cfg.rms_norm_eps
+        if layer0["attn_in_scale"] is None:
+            return self.ops.rmsnorm(h, layer0["input_layernorm"], eps), None
+        return self.ops.rmsnorm_fp8(h, layer0["input_layernorm"], layer0["attn_in_scale"], eps)
+
+    def _boundary(self, h, y, w_post, w_pre, sublayer: int, scale):
+        """`add_rmsnorm` -> (h', x, x's FP8 codes with `scale`, or None)."""
+        a, b = self.cfg.residual_coeffs(sublayer)
+        eps = self.cfg.rms_norm_eps
+        if scale is None:
+            return (*self.ops.add_rmsnorm(h, y, w_post, w_pre, a, b, eps), None)
+        return self.ops.add_rmsnorm_fp8(h, y, w_post, w_pre, scale, a, b, eps)
+
+    def layer(self, i: int, h: torch.Tensor, x: torch.Tensor, xq: torch.Tensor | None,
+              s: StepInputs):
+        """Decoder layer i: (residual stream h, its pre-attention norm x, x's FP8 codes or None)
+        -> the same for the next layer (after the last, x is the final norm's output)."""
+        layer = self.layers[i]
+        y = self._attention(i, layer, x, xq, s)
+        h, x, xq = self._boundary(h, y, layer["post_attention_layernorm"],
+                                  layer["pre_feedforward_layernorm"], 2 * i, layer["ffn_in_scale"])
+        y = self._ffn(i, layer, x, xq)
+        last = i + 1 == len(self.layers)
+        nxt = self.final_norm if last else self.layers[i + 1]["input_layernorm"]
+        scale = None if last else self.layers[i + 1]["attn_in_scale"]
+        return self._boundary(h, y, layer["post_feedforward_layernorm"], nxt, 2 * i + 1, scale)
 
     def logits(self, x: torch.Tensor, s: StepInputs) -> torch.Tensor:
         # As the reference: the LM head's BF16 output, then FP32 for sampling.
         return F.linear(x.index_select(0, s.logits_rows), self.lm_head).float()
 
-    def _attention(self, i: int, layer: dict, x: torch.Tensor, s: StepInputs) -> torch.Tensor:
+    def _attention(self, i: int, layer: dict, x: torch.Tensor, xq: torch.Tensor | None,
+                   s: StepInputs) -> torch.Tensor:
         cfg, ops, kv = self.cfg, self.ops, self.kv
         full = cfg.is_full(i)
         k_cache, v_cache = kv.layer(i)
         ks, vs = kv.k_scale_t[i], kv.v_scale_t[i]
-        qkvg = _linear(x, layer["self_attn.qkvg_proj"])
+        qkvg = _linear(x, layer["self_attn.qkvg_proj"], xq)
+        gate_from_x = () if layer["g_weight"] is None else (x, layer["g_weight"])
         q, k, v, gate = ops.qk_prep(qkvg, s.positions, layer["q_norm"], layer["k_norm"], k_cache,
                                     v_cache, s.slot_full if full else s.slot_sliding, ks, vs, full,
                                     cfg.rms_norm_eps, cfg.rope_theta, cfg.ssmax_base,
-                                    cfg.ssmax_exponent)
+                                    cfg.ssmax_exponent, *gate_from_x)
         if full and s.restore_rows.numel():
             # Prefix restore: these positions' exact K/V are in the cache; the recomputed ones
             # are exact only from restore start + (sliding layers below) * (window - 1).
             k[s.restore_rows] = _from_cache(k_cache, s.restore_slots, ks, k.dtype)
             v[s.restore_rows] = _from_cache(v_cache, s.restore_slots, vs, v.dtype)
+        o_scale = layer["o_in_scale"]  # with it, the attention writes o_proj's FP8 input
         if full:
             o = ops.attention(q, k, v, gate, k_cache, v_cache, s.cu_seqlens, s.q_start, s.hist_full,
-                              s.block_table, 0, ks, vs)
+                              s.block_table, 0, ks, vs, o_scale)
         else:
             o = ops.attention(q, k, v, gate, k_cache, v_cache, s.cu_seqlens, s.q_start,
-                              s.hist_sliding, s.ring_index, cfg.sliding_window, ks, vs)
+                              s.hist_sliding, s.ring_index, cfg.sliding_window, ks, vs, o_scale)
             if s.write_rows.numel():  # a multi-token chunk stores its last window afterwards
                 ops.cache_write(k.index_select(0, s.write_rows), v.index_select(0, s.write_rows),
                                 k_cache, v_cache, s.write_slots, ks, vs)
-        return _linear(o, layer["self_attn.o_proj"])
+        if o_scale is None:
+            return _linear(o, layer["self_attn.o_proj"])
+        return _linear(None, layer["self_attn.o_proj"], o)
 
-    def _ffn(self, i: int, layer: dict, x: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, i: int, layer: dict, x: torch.Tensor, xq: torch.Tensor | None) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
         if not cfg.is_moe(i):
-            gu = _linear(x, layer["mlp.gate_up_proj"])
+            gu = _linear(x, layer["mlp.gate_up_proj"], xq)
             inner = cfg.intermediate_size
             return _linear(F.silu(gu[:, :inner]) * gu[:, inner:], layer["mlp.down_proj"])
         ids, weights = ops.group_router(x, layer["router_w"], layer["router_b"], cfg.n_group,

@@ -23,14 +23,19 @@ def _qk_prep_args():
 
 
 def _cases():
-    x, w = torch.randn(5, H), torch.ones(H)
+    x, w, s = torch.randn(5, H), torch.ones(H), torch.tensor(0.02)
     k_cache = torch.zeros(3, 4, HKV, D)
     attn = attention_case([Seq(3, 2), Seq(6, 1, hist=2)], HQ, HKV, D, 0, 4, torch.float32,
                           torch.float32)
+    qk = _qk_prep_args()
     return {
         "rmsnorm": (x, w, 1e-6),
+        "rmsnorm_fp8": (x, w, s, 1e-6),
         "add_rmsnorm": (x, torch.randn(5, H), w, w, 0.9, 0.4, 1e-6),
-        "qk_prep": _qk_prep_args(),
+        "add_rmsnorm_fp8": (x, torch.randn(5, H), w, w, s, 0.9, 0.4, 1e-6),
+        "qk_prep": qk,
+        "qk_prep-gate-from-x": (qk[0][:, :-HQ].contiguous(), *qk[1:], x, torch.randn(HQ, H)),
+        "attention-fp8-out": (*attn.values(), s),
         "cache_write": (torch.randn(2, HKV, D), torch.randn(2, HKV, D), k_cache, k_cache.clone(),
                         torch.tensor([7, -1]), torch.tensor(1.0), torch.tensor(1.0)),
         "attention": tuple(attn.values()),
@@ -38,11 +43,12 @@ def _cases():
     }
 
 
-@pytest.mark.parametrize("op", ["rmsnorm", "add_rmsnorm", "qk_prep", "cache_write",
-                                "attention", "group_router"])
-def test_schema_and_fake_impl_agree_with_the_op(op):
-    torch.library.opcheck(getattr(torch.ops.beam, op), _cases()[op],
-                          test_utils=("test_schema", "test_faketensor"))
+@pytest.mark.parametrize("case", ["rmsnorm", "rmsnorm_fp8", "add_rmsnorm", "add_rmsnorm_fp8",
+                                  "qk_prep", "qk_prep-gate-from-x", "cache_write", "attention",
+                                  "attention-fp8-out", "group_router"])
+def test_schema_and_fake_impl_agree_with_the_op(case):
+    op = getattr(torch.ops.beam, case.split("-")[0])
+    torch.library.opcheck(op, _cases()[case], test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("op,arg,bad,needle", [
@@ -50,6 +56,10 @@ def test_schema_and_fake_impl_agree_with_the_op(op):
     ("add_rmsnorm", 1, torch.randn(5, H).double(), "y must be one of"),
     ("qk_prep", 0, torch.randn(5, 100), "qkvg width 100"),
     ("qk_prep", 6, torch.zeros(5, dtype=torch.int32), "slot_mapping must be one of (int64)"),
+    ("qk_prep-gate-from-x", 15, torch.randn(HQ + 1, H), "g_weight must be contiguous [Hq=6"),
+    ("qk_prep-gate-from-x", 0, torch.randn(5, 100), "is not Hq*D + 2*Hkv*D for"),
+    ("add_rmsnorm_fp8", 4, torch.tensor([0.02]), "x_scale must have 0 dims"),
+    ("attention-fp8-out", 13, torch.tensor(1, dtype=torch.int32), "out_scale must be one of"),
     ("cache_write", 2, torch.zeros(3, 4, HKV + 1, D), "k_cache"),
     ("attention", 6, torch.tensor([0, 2, 3]), "cu_seqlens_q must be one of (int32)"),
     ("attention", 10, -1, "window must be >= 0"),
@@ -58,6 +68,7 @@ def test_schema_and_fake_impl_agree_with_the_op(op):
 def test_bad_inputs_name_the_op_and_the_tensor(op, arg, bad, needle):
     args = list(_cases()[op])
     args[arg] = bad
+    op = op.split("-")[0]
     with pytest.raises(PluginError, match=f"beam::{op}: .*") as err:
         getattr(torch.ops.beam, op)(*args)
     assert needle in str(err.value)

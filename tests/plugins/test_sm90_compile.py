@@ -1,6 +1,9 @@
-"""The attention-side kernels compile for the H200 (sm_90) at Beam-1.0 shapes, without
-spilling registers, with their K/V loads software-pipelined (cp.async) and the prefill's
-matrix products on Hopper's warpgroup MMA. No GPU needed: see sm90.py."""
+"""The attention-side kernels, and the FP8 GEMMs of a decode step, compile for the H200 (sm_90)
+at Beam-1.0 shapes, without spilling registers, with their K/V loads software-pipelined
+(cp.async) and the prefill's matrix products on Hopper's warpgroup MMA. Also the variants that
+fuse a decode step's FP8 quantizers and BF16 gate GEMM into their producers (norms with FP8
+codes, attention writing o_proj's FP8 input, qk_prep computing the gate). No GPU needed: see
+sm90.py."""
 
 from __future__ import annotations
 
@@ -11,10 +14,14 @@ import plugins  # noqa: F401
 from beam_trtllm.config import PRESETS
 from kernel_cases import Seq, attention_case
 from plugins.add_rmsnorm import _launch_add_rmsnorm
+from plugins.add_rmsnorm_fp8 import _launch_add_rmsnorm_fp8
 from plugins.attention import _launch_attention
 from plugins.cache_write import _launch_cache_write
 from plugins.group_router import _launch_group_router
+from plugins.linear_fp8 import linear_fp8_triton
+from plugins.moe_fp8 import moe_fp8_triton
 from plugins.qk_prep import _launch_qk_prep
+from plugins.rmsnorm_fp8 import _launch_rmsnorm_fp8
 from sm90 import compile_instead_of_launch, resource_usage, spill_bytes
 
 BEAM = PRESETS["beam-1.0-501b"]
@@ -22,17 +29,43 @@ HQ, HKV, D, H = BEAM.num_attention_heads, BEAM.num_key_value_heads, BEAM.head_di
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
-def _attention(kv_dtype, new):
+def _attention(kv_dtype, new, fp8_out=False):
     case = attention_case([Seq(300, new), Seq(70, new, hist=3)], HQ, HKV, D, 0, 64, BF16, kv_dtype)
-    _launch_attention(**case)
+    _launch_attention(**case, out_scale=torch.ones(()) if fp8_out else None)
 
 
-def _qk_prep(kv_dtype, full):
-    t, one = 3, torch.ones(())
+def _qk_prep(kv_dtype, full, t=3, gate_from_x=False):
+    one = torch.ones(())
     cache = torch.zeros(2, 64, HKV, D, dtype=kv_dtype)
-    _launch_qk_prep(torch.randn(t, HQ * D + 2 * HKV * D + HQ, dtype=BF16), torch.arange(t),
+    width = HQ * D + 2 * HKV * D + (0 if gate_from_x else HQ)
+    gate = (torch.randn(t, H, dtype=BF16), torch.randn(HQ, H, dtype=BF16)) if gate_from_x else ()
+    _launch_qk_prep(torch.randn(t, width, dtype=BF16), torch.arange(t),
                     torch.ones(D, dtype=BF16), torch.ones(D, dtype=BF16), cache, cache.clone(),
-                    torch.arange(t), one, one, full, 1e-6, 1e4, 2048.0, 0.1)
+                    torch.arange(t), one, one, full, 1e-6, 1e4, 2048.0, 0.1, *gate)
+
+
+def _qk_prep_gate():
+    for t in (1, 40, 1000):  # the gate's FMA path, 16-head and 64-head tensor-core tiles
+        _qk_prep(BF16, False, t, gate_from_x=True)
+
+
+def _fp8_norms():
+    x, w, s = torch.randn(2, H, dtype=BF16), torch.ones(H, dtype=BF16), torch.ones(())
+    _launch_rmsnorm_fp8(x, w, s, 1e-6)
+    _launch_add_rmsnorm_fp8(x, x, w, w, s, 0.9, 0.4, 1e-6)
+
+
+def _fp8_gemms_decode():
+    """q/k/v and o_proj at M = 1 on FP8 codes (the Triton swap-AB path CUDA takes there),
+    and the MoE GEMMs whose K loop they share."""
+    one = torch.ones(())
+    for n, k in ((HQ * D + 2 * HKV * D, H), (H, HQ * D)):
+        x = torch.zeros(1, k, dtype=FP8)
+        linear_fp8_triton(x, torch.zeros(n, k, dtype=FP8), torch.ones(n), one, BF16)
+    e, inner = 8, BEAM.moe_intermediate_size  # the expert count is no compile-time constant
+    moe_fp8_triton(torch.randn(1, H, dtype=BF16), torch.arange(8, dtype=torch.int32)[None],
+                   torch.rand(1, 8), torch.zeros(e, 2 * inner, H, dtype=FP8), torch.ones(e, 2 * inner),
+                   torch.zeros(e, H, inner, dtype=FP8), torch.ones(e, H), one, one)
 
 
 def _misc():
@@ -55,6 +88,12 @@ BUILDS = {
     "qk_prep-full-fp8": lambda: _qk_prep(FP8, True),
     "qk_prep-sliding-bf16": lambda: _qk_prep(BF16, False),
     "norm-cache-router": _misc,
+    "attention-decode-fp8-out": lambda: _attention(FP8, 1, fp8_out=True),
+    "attention-prefill-fp8-out": lambda: _attention(BF16, 5, fp8_out=True),
+    "qk_prep-gate-from-x": _qk_prep_gate,
+    "qk_prep-full-gate-from-x": lambda: _qk_prep(FP8, True, 1, gate_from_x=True),
+    "norms-fp8-out": _fp8_norms,
+    "fp8-gemms-decode": _fp8_gemms_decode,
 }
 
 
@@ -69,3 +108,5 @@ def test_kernels_compile_for_hopper_without_spills(build):
             assert "cp.async.cg.shared.global" in kernel.asm["ptx"], "K/V loads not pipelined"
         if name == "_prefill_kernel":
             assert "warp_group_dot" in kernel.asm["ttgir"], "prefill does not use wgmma"
+        if name in ("_linear_fp8_kernel", "_moe_fp8_kernel"):  # swap-AB: weights on wgmma's M
+            assert "warp_group_dot" in kernel.asm["ttgir"], f"{name} does not use wgmma"
