@@ -107,11 +107,11 @@ def prefill(engine, seqs: int, seq_len: int, device, iters: int) -> tuple[list, 
     with torch.inference_mode():
         for it in range(iters + 1):  # the first pass compiles the kernels
             h = torch.nn.functional.embedding(s.input_ids, model.embed)
-            x = model.ops.rmsnorm(h, model.layers[0]["input_layernorm"], engine.cfg.rms_norm_eps)
+            x, xq = model.input_norm(h)
             for i in range(len(model.layers)):
                 out = []
-                ms = cuda_time(lambda: out.append(model.layer(i, h, x, s)), 1, device)
-                h, x = out[0]
+                ms = cuda_time(lambda: out.append(model.layer(i, h, x, xq, s)), 1, device)
+                h, x, xq = out[0]
                 if it:
                     per_layer[i].append(ms)
         logits = model.logits(x, s)
@@ -119,23 +119,34 @@ def prefill(engine, seqs: int, seq_len: int, device, iters: int) -> tuple[list, 
     return chunks, [statistics.median(t) for t in per_layer]
 
 
+def layer_input(model, i: int, h: torch.Tensor):
+    """(x, its FP8 codes or None) of layer i as the engine makes them: layer 0's input norm,
+    else the boundary that ends layer i - 1 (with layer i's q/k/v input scale)."""
+    if i == 0:
+        return model.input_norm(h)
+    prev, layer = model.layers[i - 1], model.layers[i]
+    _, x, xq = model.boundary(h, torch.randn_like(h), prev["post_feedforward_layernorm"],
+                              layer["input_layernorm"], 2 * i - 1, layer["attn_in_scale"])
+    return x, xq
+
+
 def decode_layers(engine, chunk, device, iters: int) -> list[float]:
     """Batch-1 decode time of each layer alone, replaying its captured CUDA graph."""
     s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
     model, times = engine.model, []
     h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
-    x = model.ops.rmsnorm(h, model.layers[0]["input_layernorm"], engine.cfg.rms_norm_eps)
     with torch.inference_mode():
         for i in range(len(model.layers)):
+            x, xq = layer_input(model, i, h)
             for _ in range(2):
-                model.layer(i, h, x, s)
+                model.layer(i, h, x, xq, s)
             if device.type == "cuda":
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    model.layer(i, h, x, s)
+                    model.layer(i, h, x, xq, s)
                 times.append(cuda_time(graph.replay, 200, device))
             else:
-                times.append(cuda_time(lambda: model.layer(i, h, x, s), 3, device))
+                times.append(cuda_time(lambda: model.layer(i, h, x, xq, s), 3, device))
     return times
 
 
@@ -148,13 +159,13 @@ def count_launches(engine, chunk, device) -> list[dict]:
     s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
     model, out = engine.model, []
     h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
-    x = model.ops.rmsnorm(h, model.layers[0]["input_layernorm"], engine.cfg.rms_norm_eps)
     with torch.inference_mode():
         for i in range(len(model.layers)):
-            model.layer(i, h, x, s)
+            x, xq = layer_input(model, i, h)
+            model.layer(i, h, x, xq, s)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                model.layer(i, h, x, s)
+                model.layer(i, h, x, xq, s)
                 torch.cuda.synchronize()
             events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
@@ -283,7 +294,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="fp8,nvfp4",
                     help="fp8, nvfp4; a '+gate' suffix also quantizes the output gate into the "
-                         "FP8 q/k/v GEMM (a what-if: the shipped recipes keep it BF16)")
+                         "FP8 q/k/v GEMM (a what-if: the shipped recipes keep it BF16, which "
+                         "the engine now computes inside qk_prep)")
     ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")

@@ -71,8 +71,8 @@ def _experts(cfg: BeamConfig, fmt: str, device) -> dict:
 
 def random_weights(cfg: BeamConfig, fmt: str, device, gate_fp8: bool = False) -> tuple[dict, dict]:
     """As the shipped recipes quantize: attention projections FP8 (per tensor, W8A8) in both
-    formats, the per-head output gate BF16 (so qkvg is two GEMMs: FP8 q/k/v, BF16 g), dense
-    MLP and experts in `fmt`."""
+    formats, the per-head output gate BF16 (a second segment of qkvg; the engine computes the
+    gate in qk_prep from x and this weight), dense MLP and experts in `fmt`."""
     h, bf16 = cfg.hidden_size, dict(device=device, dtype=torch.bfloat16)
     w = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, **bf16),
          "model.norm.weight": torch.ones(h, **bf16),

@@ -165,7 +165,9 @@ def kernel_breakdown(fmt: str, args, reps: int = 20) -> str:
 def bench_linear(ctx, tokens=(1, 16384)) -> None:
     cfg, ceil = ctx.cfg, ctx.ceilings
     n = cfg.q_size + 2 * cfg.kv_size + cfg.num_attention_heads  # packed q, k, v, gate
-    variants = [("fp8", {}), ("fp8", {"use_scaled_mm": False}), ("fp8_block", {}), ("nvfp4", {})]
+    # linear_fp8 picks the Triton GEMM up to SMALL_M tokens and _scaled_mm above: both forced
+    variants = [("fp8", {"use_scaled_mm": True}), ("fp8", {"use_scaled_mm": False}),
+                ("fp8_block", {}), ("nvfp4", {})]
     for t in tokens:
         x = torch.randn(t, cfg.hidden_size, device=DEV).to(BF16)
         for fmt, extra in variants:
@@ -176,7 +178,8 @@ def bench_linear(ctx, tokens=(1, 16384)) -> None:
             ref = getattr(mod, f"ref_linear_{fmt}")
             what = "linear-fp8-mma" if fmt.startswith("fp8") and DEV == "cuda" else "linear"
             status = check(ctx, fmt, fast(*args, **extra), ref(*args), what=what)
-            name = f"linear_{fmt}" + (" (triton)" if extra else " (_scaled_mm)" if fmt == "fp8" else "")
+            name = f"linear_{fmt}" + {True: " (_scaled_mm)", False: " (triton)", None: ""}[
+                extra.get("use_scaled_mm")]
             ours = (ctx.time_graph_us if t == 1 else ctx.time_us)(lambda: fast(*args, **extra))
             eager = ctx.time_us(lambda: ref(*args)) if ctx.eager else 0.0  # not capturable
             if t == 1:

@@ -146,7 +146,8 @@ def launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_star
     out = q.new_empty(t, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
     grid = (t // block_q + b, hkv)
     _prefill_kernel[grid](
-        q, k_new, v_new, gate, out, gate if out_scale is None else out_scale, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,
+        q, k_new, v_new, gate, out, gate if out_scale is None else out_scale, k_cache, v_cache,
+        cu_seqlens_q, q_start, hist_start,
         cache_index, k_scale, v_scale, b, k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), cache_index.shape[1], k_cache.shape[1], k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), window, LOG2E / d**0.5,

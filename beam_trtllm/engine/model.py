@@ -149,7 +149,7 @@ class BeamModel:
             return self.ops.rmsnorm(h, layer0["input_layernorm"], eps), None
         return self.ops.rmsnorm_fp8(h, layer0["input_layernorm"], layer0["attn_in_scale"], eps)
 
-    def _boundary(self, h, y, w_post, w_pre, sublayer: int, scale):
+    def boundary(self, h, y, w_post, w_pre, sublayer: int, scale):
         """`add_rmsnorm` -> (h', x, x's FP8 codes with `scale`, or None)."""
         a, b = self.cfg.residual_coeffs(sublayer)
         eps = self.cfg.rms_norm_eps
@@ -163,13 +163,13 @@ class BeamModel:
         -> the same for the next layer (after the last, x is the final norm's output)."""
         layer = self.layers[i]
         y = self._attention(i, layer, x, xq, s)
-        h, x, xq = self._boundary(h, y, layer["post_attention_layernorm"],
+        h, x, xq = self.boundary(h, y, layer["post_attention_layernorm"],
                                   layer["pre_feedforward_layernorm"], 2 * i, layer["ffn_in_scale"])
         y = self._ffn(i, layer, x, xq)
         last = i + 1 == len(self.layers)
         nxt = self.final_norm if last else self.layers[i + 1]["input_layernorm"]
         scale = None if last else self.layers[i + 1]["attn_in_scale"]
-        return self._boundary(h, y, layer["post_feedforward_layernorm"], nxt, 2 * i + 1, scale)
+        return self.boundary(h, y, layer["post_feedforward_layernorm"], nxt, 2 * i + 1, scale)
 
     def logits(self, x: torch.Tensor, s: StepInputs) -> torch.Tensor:
         # As the reference: the LM head's BF16 output, then FP32 for sampling.

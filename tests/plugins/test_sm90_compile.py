@@ -64,7 +64,8 @@ def _fp8_gemms_decode():
         linear_fp8_triton(x, torch.zeros(n, k, dtype=FP8), torch.ones(n), one, BF16)
     e, inner = 8, BEAM.moe_intermediate_size  # the expert count is no compile-time constant
     moe_fp8_triton(torch.randn(1, H, dtype=BF16), torch.arange(8, dtype=torch.int32)[None],
-                   torch.rand(1, 8), torch.zeros(e, 2 * inner, H, dtype=FP8), torch.ones(e, 2 * inner),
+                   torch.rand(1, 8), torch.zeros(e, 2 * inner, H, dtype=FP8),
+                   torch.ones(e, 2 * inner),
                    torch.zeros(e, H, inner, dtype=FP8), torch.ones(e, H), one, one)
 
 
