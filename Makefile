@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 # is imported, hence its own process. Either failing fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel tests/plugins $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel tests/plugins tests/test_autotune_kernels.py $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	rm -rf $(DEMO)

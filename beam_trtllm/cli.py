@@ -65,9 +65,12 @@ def init_tiny_cmd(out_dir, seed):
               help="GiB for the KV cache [default: room for --max-batch x --max-seq-len].")
 @click.option("--block-size", default=32, show_default=True, help="Tokens per KV block.")
 @click.option("--cuda-graph-batch-sizes", default="", help="Comma-separated decode batch sizes to capture.")
+@click.option("--autotune", type=click.Choice(["auto", "quick", "off"]), default="auto",
+              show_default=True, help="Search the Triton launch shapes on the target GPU (at "
+              "build if this machine has it, else at the first load); quick: fewer candidates.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing ENGINE_DIR.")
 def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_tokens, kv_dtype,
-              kv_memory, block_size, cuda_graph_batch_sizes, overwrite):
+              kv_memory, block_size, cuda_graph_batch_sizes, autotune, overwrite):
     """Build an engine dir (repacked weights, KV plan, tokenizer) from a converted checkpoint."""
     from .checkpoint import CheckpointError
     from .engine.build import build_engine
@@ -82,7 +85,7 @@ def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_toke
         opts = BuildOptions(target=target, max_batch=max_batch, max_seq_len=max_seq_len,
                             max_num_tokens=max_num_tokens, kv_dtype=kv_dtype,
                             kv_memory_gib=kv_memory, block_size=block_size,
-                            cuda_graph_batch_sizes=sizes)
+                            cuda_graph_batch_sizes=sizes, autotune=autotune)
         build_engine(ckpt_dir, engine_dir, opts, progress=click.echo, overwrite=overwrite)
     except (EngineError, ConfigError, CheckpointError) as exc:
         raise BeamCLIError(str(exc)) from exc

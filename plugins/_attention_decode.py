@@ -18,6 +18,7 @@ import triton.language as tl
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
                                softmax_step, store_output)
 from ._common import FP8_DTYPE, TL_DTYPES, is_fp8, next_pow2, sm_count
+from .tuning import tuned_decode
 
 # Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
 # 128-key tiles for long contexts, 64 for short ones (a 512-slot ring: fewer idle lanes), and
@@ -131,7 +132,7 @@ def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.
 
 def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, cache_index,
                   window, k_scale, v_scale, out_scale=None, config=None):
-    cfg = dict(DECODE_CONFIG, **(config or {}))
+    cfg = dict(DECODE_CONFIG, **(config or tuned_decode(q, k_cache, cache_index) or {}))
     b, hq, d = q.shape
     hkv, block_size, m = k_new.shape[1], k_cache.shape[1], cache_index.shape[1]
     g = hq // hkv

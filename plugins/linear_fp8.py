@@ -33,6 +33,7 @@ from ._fp8_act import quant_fp8_per_tensor
 from ._moe_common import fp8_gemm_loop, round_to, tile_of, unswap
 from ._tiles import linear_config
 from .registry import dispatch, register
+from .tuning import tuned_linear
 
 OP = "linear_fp8"
 FP8 = (torch.float8_e4m3fn,)
@@ -142,7 +143,7 @@ def linear_fp8_triton(x, weight, weight_scale, input_scale, out_dtype=None, use_
         return y.reshape(*x.shape[:-1], n)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m:
-        cfg = config or linear_config(m, 1)
+        cfg = config or tuned_linear(OP, m, n, k) or linear_config(m, 1)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         stride_ws = 0 if weight_scale.dim() == 0 else 1
         _linear_fp8_kernel[grid](

@@ -23,6 +23,7 @@ from ._moe_common import acc_zeros, dot_precision, mma, round_to, tile_of, unswa
 from .moe_nvfp4 import use_asm
 from ._tiles import linear_config, nvfp4_tile
 from .registry import dispatch, register
+from .tuning import tuned_linear
 
 OP = "linear_nvfp4"
 
@@ -103,7 +104,7 @@ def linear_nvfp4_triton(x, weight, weight_scale, weight_scale_2, config=None):
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
-        cfg = config or linear_config(m, 0.5)
+        cfg = config or tuned_linear(OP, m, n, k, x.dtype) or linear_config(m, 0.5)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         words = weight.view(torch.int32)
         _linear_nvfp4_kernel[grid](

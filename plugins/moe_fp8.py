@@ -36,6 +36,7 @@ from ._moe_common import (
     plan_routing, ref_moe, round_to, routing_ptrs, silu_mul, tile_of, unswap,
 )
 from .registry import dispatch, register
+from .tuning import tuned_moe
 
 OP = "moe_fp8"
 FP8 = (torch.float8_e4m3fn,)
@@ -144,6 +145,7 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
     if numel == 0:
         return torch.empty_like(x)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
+    config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2)
     c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
     if config13 is None and c13.block_m == 128:  # prefill: the H200 sweep's best gate/up shape
         c13 = GemmConfig(128, 128, 128, 8, 3, swap=True)

@@ -35,6 +35,7 @@ from ._moe_common import (
 )
 from ._tiles import nvfp4_tile
 from .registry import dispatch, register, triton_interpreted
+from .tuning import tuned_moe
 
 OP = "moe_nvfp4"
 FP8 = (torch.float8_e4m3fn,)
@@ -180,6 +181,7 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     if numel == 0:
         return torch.empty_like(x)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
+    config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2, x.dtype)
     c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
     x = x.contiguous()

@@ -3,7 +3,8 @@
 The engine dir is everything a server needs: `engine.json` (config, target, options, kernel
 choices, KV memory plan, input checkpoint hash, tool versions, every file's size and SHA-256),
 the repacked weights (`weights-NNNNN.safetensors`, one file per group: embedding, each layer,
-head), `config.json`, `generation_config.json` and the tokenizer files. It is written into a
+head), `config.json`, `generation_config.json`, the tokenizer files and, for a GPU target
+built on that GPU, `tuned_kernels.json` (the launch shapes searched on it, tuned_kernels.py). It is written into a
 temporary sibling directory and renamed into place at the end, so an interrupted build never
 leaves a directory that looks complete.
 """
@@ -25,6 +26,7 @@ from safetensors import safe_open
 from ..checkpoint import CheckpointError, atomic_save, weight_map
 from ..config import BeamConfig
 from .plan import BuildOptions, kv_plan
+from .tuned_kernels import build_autotune
 from .types import EngineError
 from .weights import iter_engine_tensors
 
@@ -117,30 +119,17 @@ def _kv_dtype(reader: CheckpointReader, cfg: BeamConfig, opts: BuildOptions) -> 
     return kv
 
 
-def kernel_choices(target: str, plan: dict, kv_dtype: str) -> dict:
-    """Which beam:: op runs each part; autotuning needs the GPU, so a build without one says
-    it is left to the first load."""
+def kernel_choices(plan: dict, kv_dtype: str) -> dict:
+    """Which beam:: op runs each part (the launch shapes: `tuned_kernels.build_autotune`)."""
     experts = sorted({layer.get("experts") for layer in plan.values() if layer.get("experts")})
     linear = sorted({seg["format"] for layer in plan.values() for name, segs in layer.items()
                      if name != "experts" for seg in segs})
-    ops = {"norms": "beam::rmsnorm, beam::add_rmsnorm (their _fp8 forms before FP8 W8A8 GEMMs)",
-           "attention": "beam::qk_prep, beam::attention, beam::cache_write",
-           "router": "beam::group_router",
-           "moe": [f"beam::moe_{fmt}" for fmt in experts],
-           "linear": [("torch.matmul" if f == "bf16" else f"beam::linear_{f}") for f in linear],
-           "kv_cache": kv_dtype}
-    on_gpu = torch.cuda.is_available()
-    heuristic = ("the Triton kernels pick launch configurations from the step's shape "
-                 "(plugins/_tiles.py, _moe_common.default_config); no per-device search is done")
-    if target == "cpu":
-        tune = {"status": "not applicable: the CPU runs the ops' plain-torch references"}
-    elif on_gpu:
-        tune = {"status": f"at first load: Triton compiles the kernels and the decode CUDA graphs "
-                          f"are captured; {heuristic}", "device": torch.cuda.get_device_name()}
-    else:
-        tune = {"status": "left to first load: no GPU on the build machine, so Triton's "
-                          f"compilation and the CUDA-graph captures run when the engine loads; {heuristic}"}
-    return {"ops": ops, "autotune": tune}
+    return {"norms": "beam::rmsnorm, beam::add_rmsnorm (their _fp8 forms before FP8 W8A8 GEMMs)",
+            "attention": "beam::qk_prep, beam::attention, beam::cache_write",
+            "router": "beam::group_router",
+            "moe": [f"beam::moe_{fmt}" for fmt in experts],
+            "linear": [("torch.matmul" if f == "bf16" else f"beam::linear_{f}") for f in linear],
+            "kv_cache": kv_dtype}
 
 
 def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOptions,
@@ -167,9 +156,12 @@ def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOption
             raise EngineError(f"{ckpt_dir}: unexpected tensor {unused[0]}{more}: not part of a "
                               "Beam checkpoint of this config")
         files.update(_copy_side_files(ckpt_dir, tmp, cfg))
-        kernels = kernel_choices(opts.target, layer_plan, kv_dtype)
+        tune, written = build_autotune(cfg, layer_plan, opts, kv_dtype, tmp, progress)
+        files.update({name: {"bytes": (tmp / name).stat().st_size,
+                             "sha256": sha256_file(tmp / name)} for name in written})
+        kernels = {"ops": kernel_choices(layer_plan, kv_dtype), "autotune": tune}
         if opts.target != "cpu":
-            progress(f"kernels: {kernels['autotune']['status']}")
+            progress(f"kernels: {tune['status']}")
         progress("hashing the input checkpoint")
         spec = {
             "format": ENGINE_FORMAT, "format_version": ENGINE_FORMAT_VERSION,

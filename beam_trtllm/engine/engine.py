@@ -15,9 +15,10 @@ lock, so a server may call add_request/abort from another thread than the step l
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -71,13 +72,21 @@ class Engine(DisaggMixin, OutputMixin):
 
     @classmethod
     def from_dir(cls, path: str | Path, device: torch.device | str | None = None,
-                 verify: bool = True, use_cuda_graphs: bool = True) -> "Engine":
-        """Load an engine dir; refuses a corrupt or mismatched one (see engine_dir.py)."""
+                 verify: bool = True, use_cuda_graphs: bool = True, autotune: str | None = None,
+                 progress: Callable[[str], None] | None = None) -> "Engine":
+        """Load an engine dir; refuses a corrupt or mismatched one (see engine_dir.py). On CUDA
+        the engine's tuned launch shapes are installed first (or searched, if the build left
+        that to the first load; `autotune` auto | quick | off, see tuned_kernels.py), so the
+        CUDA graphs capture them. `progress` gets one line per step (default: stderr)."""
         from ..tokenizer import TextTokenizer
 
         device = torch.device(device) if device is not None else default_device()
         spec = read_engine_dir(path, verify=verify)
         check_device(spec, device)
+        if device.type == "cuda":
+            from .tuned_kernels import load_autotune
+
+            load_autotune(spec, device, autotune, progress or _stderr)
         weights = load_weights(spec, device)
         tokenizer = TextTokenizer(spec.path)
         eos = spec.cfg.eos_token_id
@@ -229,6 +238,10 @@ class Engine(DisaggMixin, OutputMixin):
                     res["finish_reason"] = out.finish_reason
                     self.requests.pop(out.request_id, None)
         return [results[r] for r in ids]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _kv_scales(weights: dict, cfg: BeamConfig) -> tuple[dict, dict]:

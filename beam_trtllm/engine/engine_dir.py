@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from ..config import BeamConfig, ConfigError
 from .build import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, sha256_file
 from .plan import BuildOptions, KVPlan
+from .tuned_kernels import TUNED_FILE, read_table
 from .types import EngineError
 
 TARGET_CAPABILITY = {"sm90": (9, 0), "sm100": (10, 0)}
@@ -26,6 +27,7 @@ class EngineSpec:
     options: BuildOptions
     kv: KVPlan
     layer_plan: dict
+    tuned: dict | None = None  # tuned_kernels.json, validated (tuned_kernels.py)
 
     @property
     def target(self) -> str:
@@ -71,7 +73,10 @@ def read_engine_dir(path: str | Path, verify: bool = True) -> EngineSpec:
         raise EngineError(f"{where}: config.json differs from the config the engine was built "
                           f"with (field {diff[0]}{' and more' if len(diff) > 1 else ''}); rebuild")
     _check_files(path, files, verify)
-    return EngineSpec(path, raw, cfg, options, kv, layer_plan)
+    tuned = None
+    if TUNED_FILE in files:  # a corrupt or malformed table refuses the dir, on any device
+        tuned = read_table(path / TUNED_FILE)
+    return EngineSpec(path, raw, cfg, options, kv, layer_plan, tuned)
 
 
 def _check_files(path: Path, files: dict, verify: bool) -> None:

@@ -30,6 +30,7 @@ class BuildOptions:
     kv_memory_gib: float | None = None  # None: room for max_batch sequences of max_seq_len
     block_size: int = 32
     cuda_graph_batch_sizes: tuple[int, ...] = field(default=())
+    autotune: str = "auto"           # kernel search on a matching GPU: auto | quick | off
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -39,6 +40,8 @@ class BuildOptions:
                             ("--block-size", self.block_size)):
             if not isinstance(value, int) or value < 1:
                 raise EngineError(f"{flag} must be a positive integer, got {value!r}")
+        if self.autotune not in ("auto", "quick", "off"):
+            raise EngineError(f"--autotune must be auto, quick or off, got {self.autotune!r}")
         if self.kv_dtype is not None and self.kv_dtype not in ("bf16", "fp8"):
             raise EngineError(f"--kv-dtype must be bf16 or fp8, got {self.kv_dtype!r}")
         if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
