@@ -33,12 +33,15 @@ from ._common import TL_DTYPES, bf16_grid  # noqa: F401  (TL_DTYPES: re-exported
 from .registry import PluginError
 
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
+# FP8 MMA partial sums are added into the FP32 accumulator at least every this many products
+# (DeepSeek-V3 report 3.3.2 and cuBLAS promote every 128 as well).
+PROMOTE_EVERY = tl.constexpr(128)
 ONE_PROGRAM_ALIGN = 4096  # up to this many pairs the token sort is one program (one launch)
 
 
 # ---------------------------------------------------------------------------- input checks
-def check_routing(op: str, x, topk_ids, topk_weights) -> tuple[int, int, int]:
-    check_tensor(op, "x", x, (None, None), ACT_DTYPES)
+def check_routing(op: str, x, topk_ids, topk_weights, x_dtypes=ACT_DTYPES) -> tuple[int, int, int]:
+    check_tensor(op, "x", x, (None, None), x_dtypes)
     t, h = x.shape
     check_tensor(op, "topk_ids", topk_ids, (t, None), (torch.int32, torch.int64))
     check_tensor(op, "topk_weights", topk_weights, (t, topk_ids.shape[1]), (torch.float32,))
@@ -74,6 +77,7 @@ def ref_moe(
     expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     quant13: Callable[[torch.Tensor], torch.Tensor] | None = None,
     quant2: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    act_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """reference.py's BeamMoE.forward given the routing; `expert(e)` returns that expert's
     (w13 [2I, H], w2 [H, I]).
@@ -83,20 +87,22 @@ def ref_moe(
     for W4A16): the GEMMs run in FP32 on the exactly decoded values, as the tensor cores do,
     and every module output (gate, up, silu, h, y) is rounded to x.dtype as in BeamMoE. With
     FP32 activations this is BeamMoE on the decoded weights exactly; with BF16 it differs from
-    a BF16 BeamMoE only by BeamMoE's own rounding of the decoded weights to BF16."""
+    a BF16 BeamMoE only by BeamMoE's own rounding of the decoded weights to BF16. `act_dtype`
+    (default x.dtype) is the activations' dtype when x holds decoded FP8 codes in FP32."""
     quantized = quant13 is not None
+    act = act_dtype or x.dtype
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
         w13, w2 = expert(e)
         inner = w13.shape[0] // 2
         xe = quant13(x[token].float()) if quantized else x[token]
-        gate = F.linear(xe, w13[:inner]).to(x.dtype)
-        up = F.linear(xe, w13[inner:]).to(x.dtype)
+        gate = F.linear(xe, w13[:inner]).to(act)
+        up = F.linear(xe, w13[inner:]).to(act)
         h = F.silu(gate) * up
-        y = F.linear(quant2(h.float()) if quantized else h, w2).to(x.dtype)
+        y = F.linear(quant2(h.float()) if quantized else h, w2).to(act)
         out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
-    return out.to(x.dtype)
+    return out.to(act)
 
 
 def fake_moe(x: torch.Tensor, *args) -> torch.Tensor:
@@ -298,14 +304,21 @@ def mma(acc, a, w, SWAP: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def mma_fp8(acc, a, w, SWAP: tl.constexpr, PROMOTE: tl.constexpr):
+def mma_fp8(acc, a, w, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
     """`mma` for FP8 operands; the tensor-core partial sums are promoted to the FP32
-    accumulator every PROMOTE (= BLOCK_K) products (Hopper's FP8 MMA accumulates with reduced
-    precision, and Triton's default would never promote)."""
-    if SWAP:
-        acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
+    accumulator every min(BLOCK_K, PROMOTE_EVERY) products (Hopper's FP8 MMA accumulates with
+    reduced precision, and Triton's default would never promote), so a wider K tile does not
+    make the sum less precise."""
+    if BLOCK_K > PROMOTE_EVERY:
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE_EVERY)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE_EVERY)
     else:
-        acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
     return acc
 
 

@@ -115,7 +115,9 @@ def moe_bf16_triton(x, topk_ids, topk_weights, w13, w2, direct=None, config13=No
     if numel == 0:
         return torch.empty_like(x)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
-    c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
+    # FP32 experts: half the K depth, so a pipelined tile takes the shared memory of a BF16 one
+    block_k = 128 if x.element_size() <= 2 else 64
+    c13, c2 = configs_for(numel if not direct else 1, e, config13, config2, block_k)
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
     x = x.contiguous()
     hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)

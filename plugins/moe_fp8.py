@@ -5,13 +5,16 @@
     gate_e / up_e / down_e use W = fp8 weight * its per-tensor scale
 
 Inputs (repacked expert layout of docs/DESIGN.md §2):
-    x [T, H] bf16 / fp16 / fp32; topk_ids [T, k] int32/int64; topk_weights [T, k] fp32
+    x [T, H] bf16 / fp16 / fp32, or float8_e4m3fn holding the codes fp8(clamp(x / a13_scale,
+             +-448)) already (what beam::add_rmsnorm_fp8 writes: the quantizer's launch is saved)
+    topk_ids [T, k] int32/int64; topk_weights [T, k] fp32
     w13        [E, 2I, H] float8_e4m3fn   rows [0, I) gate_proj, [I, 2I) up_proj
     w13_scale  [E, 2I]    fp32            each matrix's weight_scale repeated over its rows
     w2         [E, H, I]  float8_e4m3fn; w2_scale [E, H] fp32
     a13_scale  []         fp32            the layer's shared gate/up input_scale
     a2_scale   []         fp32            the layer's shared down_proj input_scale
-Output: a new [T, H] tensor in x.dtype (no `out=`; inputs are never written).
+    out_dtype  None for a floating x (the activations' dtype is x's), required for FP8 codes
+Output: a new [T, H] tensor in that dtype (no `out=`; inputs are never written).
 
 Numerics: FP8 x FP8 products are summed on the tensor cores, promoted to the FP32 accumulator
 every BLOCK_K (Hopper's FP8 MMA accumulates with reduced precision; Triton's default would
@@ -21,6 +24,8 @@ h is quantized with a2_scale; y rounds to x.dtype; the combine is FP32.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +34,7 @@ from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
 
 from ._common import e4m3_grid
 from ._fp8_act import quant_fp8_per_tensor
-from ._checks import check_device
+from ._checks import ACT_DTYPES, _expect, check_device
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
     check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, fp8_gemm_loop,
@@ -42,8 +47,16 @@ OP = "moe_fp8"
 FP8 = (torch.float8_e4m3fn,)
 
 
-def check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale):
-    check_routing(OP, x, topk_ids, topk_weights)
+def check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
+                  out_dtype=None):
+    """-> (E, I, the activations' dtype)."""
+    check_routing(OP, x, topk_ids, topk_weights, ACT_DTYPES + FP8)
+    if x.dtype in FP8:
+        _expect(out_dtype in ACT_DTYPES, OP, f"x holds FP8 codes: out_dtype must be one of "
+                f"bfloat16, float16, float32, got {out_dtype}")
+    else:
+        _expect(out_dtype in (None, x.dtype), OP,
+                f"out_dtype {out_dtype} differs from x's dtype {x.dtype}")
     e, inner = check_expert_weights(OP, x, w13, w2, FP8)
     check_tensor(OP, "w13_scale", w13_scale, (e, 2 * inner), (torch.float32,))
     check_tensor(OP, "w2_scale", w2_scale, (e, x.shape[1]), (torch.float32,))
@@ -51,21 +64,24 @@ def check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_s
     check_tensor(OP, "a2_scale", a2_scale, (), (torch.float32,))
     check_device(OP, x, w13_scale=w13_scale, w2_scale=w2_scale, a13_scale=a13_scale,
                  a2_scale=a2_scale)
-    return e, inner
+    return e, inner, out_dtype or x.dtype
 
 
 @register(OP, "reference")
-def ref_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale):
-    e, _ = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale)
+def ref_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
+                out_dtype=None):
+    e, _, act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale,
+                              a2_scale, out_dtype)
     check_ids_in_range(OP, topk_ids, e)
+    codes = x.dtype in FP8  # then x's decoded values are exactly what the quantizer gives
+    quant13 = (lambda a: a) if codes else (lambda a: fake_quant_fp8_activation(a, a13_scale))
 
     def expert(i):
         return dequantize_fp8(w13[i], w13_scale[i]), dequantize_fp8(w2[i], w2_scale[i])
 
     return ref_moe(
-        x, topk_ids, topk_weights, expert,
-        lambda a: fake_quant_fp8_activation(a, a13_scale),
-        lambda a: fake_quant_fp8_activation(a, a2_scale),
+        x.float() * a13_scale if codes else x, topk_ids, topk_weights, expert, quant13,
+        lambda a: fake_quant_fp8_activation(a, a2_scale), act_dtype=act,
     )
 
 
@@ -73,13 +89,17 @@ def ref_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_sca
 def moe_fp8(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-    a13_scale: torch.Tensor, a2_scale: torch.Tensor,
+    a13_scale: torch.Tensor, a2_scale: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
-                    a13_scale, a2_scale)
+                    a13_scale, a2_scale, out_dtype)
 
 
-moe_fp8.register_fake(fake_moe)
+@moe_fp8.register_fake
+def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale, out_dtype=None):
+    act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale,
+                        a2_scale, out_dtype)[2]
+    return torch.empty(x.shape, dtype=act, device=x.device)
 
 
 # ---------------------------------------------------------------------------- triton
@@ -135,26 +155,26 @@ def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, 
 
 @register(OP, "triton")
 def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
-                   direct=None, config13=None, config2=None):
+                   out_dtype=None, direct=None, config13=None, config2=None):
     """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
-    e, inner = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale,
-                             a2_scale)
+    e, inner, act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
+                                  a13_scale, a2_scale, out_dtype)
     t, h = x.shape
     top_k = topk_ids.shape[1]
     numel = t * top_k
     if numel == 0:
-        return torch.empty_like(x)
+        return torch.empty(x.shape, dtype=act, device=x.device)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2)
     c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
     if config13 is None and c13.block_m == 128:  # prefill: the H200 sweep's best gate/up shape
         c13 = GemmConfig(128, 128, 128, 8, 3, swap=True)
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
-    xq = quant_fp8_per_tensor(x, a13_scale)
+    xq = x.contiguous() if x.dtype in FP8 else quant_fp8_per_tensor(x, a13_scale)
     hq = torch.empty((routing.rows, inner), dtype=FP8[0], device=x.device)
     _gemm(xq, a13_scale, w13, w13_scale, hq, a2_scale, routing, numel, top_k, inner, h, True,
-          x.dtype, c13)
-    y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
+          act, c13)
+    y = torch.empty((numel, h), dtype=act, device=x.device)
     _gemm(hq, a2_scale, w2, w2_scale, y, a2_scale, routing, numel, top_k, h, inner, False,
-          x.dtype, c2)
+          act, c2)
     return combine(y, topk_weights, t)

@@ -11,7 +11,9 @@ Launches saved where the checkpoint allows (same numerics, docs/ENGINE.md "Decod
   computes the gate from x and the g weight;
 - a Linear whose first segment is FP8 W8A8 gets its input as FP8 codes from the op that makes
   it: the norm before it (`rmsnorm_fp8` / `add_rmsnorm_fp8`, with the Linear's input_scale)
-  or, for o_proj, the attention (`out_scale`), so `linear_fp8` runs no quantizer.
+  or, for o_proj, the attention (`out_scale`), so `linear_fp8` runs no quantizer; likewise
+  FP8 W8A8 experts get theirs from the boundary before the MoE (with the layer's a13_scale;
+  the router reads the BF16 x the same launch writes).
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ class BeamModel:
             layer["router_b"] = take(f"{p}mlp.gate.e_score_correction_bias")
             layer["experts_fmt"] = plan.get("experts", "bf16")
             layer["experts"] = take.prefix(f"{p}mlp.experts.")
+            if layer["experts_fmt"] == "fp8":  # the boundary writes the experts' FP8 input
+                layer["ffn_in_scale"] = layer["experts"]["a13_scale"]
         take.optional(f"{p}self_attn.k_scale")  # consumed by the KV cache, not the model
         take.optional(f"{p}self_attn.v_scale")
         return layer
@@ -218,9 +222,9 @@ class BeamModel:
         e, fmt = layer["experts"], layer["experts_fmt"]
         if fmt == "bf16":
             return ops.moe_bf16(x, ids, weights, e["w13"], e["w2"])
-        if fmt == "fp8":
-            return ops.moe_fp8(x, ids, weights, e["w13"], e["w13_scale"], e["w2"], e["w2_scale"],
-                               e["a13_scale"], e["a2_scale"])
+        if fmt == "fp8":  # on the codes the boundary wrote with a13_scale
+            return ops.moe_fp8(xq, ids, weights, e["w13"], e["w13_scale"], e["w2"], e["w2_scale"],
+                               e["a13_scale"], e["a2_scale"], ACT_DTYPE)
         if fmt == "fp8_block":
             return ops.moe_fp8_block(x, ids, weights, e["w13"], e["w13_scale"], e["w2"], e["w2_scale"])
         if fmt == "nvfp4":
