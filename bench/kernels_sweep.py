@@ -100,7 +100,7 @@ def sweep_decode(cfg, ceil, block_size=64):
                 ring = torch.randn(batch, window + 1, hkv, d, device=DEV, dtype=BF16)
                 case[name] = ring[:, :window]
         grid = [dict(BLOCK_N=n, splits=s, num_stages=3, num_warps=4, programs_per_sm=2,
-                     min_split=256) for n in (64, 128) for s in (1, 2, 4)]
+                     num_stages_short=3, min_split=256) for n in (64, 128) for s in (1, 2, 4)]
         out |= run_grid(f"decode sliding B={batch} padded={padded}", grid, _decode_timer(case),
                         batch * (window - 1) * hkv * d * 4, "GB/s", ceil["copy_GBps"])
     return out

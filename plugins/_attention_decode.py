@@ -23,8 +23,12 @@ from .tuning import tuned_decode
 # Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
 # 128-key tiles for long contexts, 64 for short ones (a 512-slot ring: fewer idle lanes), and
 # 3 programs per SM for FP8 caches (more loads in flight for half the bytes per key).
+# Short caches (a sliding layer's ring, a full layer's table of <= 2K slots: batch-1 decode
+# of the engine bench's layers) take shorter splits and 2 stages: 7.3 us instead of 11.5 for
+# a 512-slot ring at batch 1 (H200 sweep, bench/decode_sweep.py, 2026-11-29).
 DECODE_CONFIG = dict(BLOCK_N=128, BLOCK_N_SHORT=64, short_capacity=2048, num_warps=4,
-                     num_stages=3, programs_per_sm=2, programs_per_sm_fp8=3, min_split=256)
+                     num_stages=3, num_stages_short=2, programs_per_sm=2, programs_per_sm_fp8=3,
+                     min_split=256, min_split_short=64)
 
 
 @triton.jit
@@ -109,7 +113,7 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
     total = tl.sum(weight * l, axis=0)
     gd_mask = (g[:, None] < G) & (d[None, :] < D)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for i in range(NUM_SPLITS):
+    for i in tl.static_range(NUM_SPLITS):  # unrolled: every split's load is in flight at once
         w_i = tl.sum(tl.where(s[:, None] == i, weight, 0.0), axis=0)
         o_i = tl.load(part_o_ptr + (base + i * G + g[:, None]) * D + d[None, :], mask=gd_mask,
                       other=0.0)
@@ -137,10 +141,12 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
     hkv, block_size, m = k_new.shape[1], k_cache.shape[1], cache_index.shape[1]
     g = hq // hkv
     capacity = m * block_size  # the longest context the cache index can address (a shape)
-    block_n = cfg["BLOCK_N"] if capacity > cfg["short_capacity"] else cfg["BLOCK_N_SHORT"]
+    short = capacity <= cfg["short_capacity"]
+    block_n = cfg["BLOCK_N_SHORT"] if short else cfg["BLOCK_N"]
+    stages = cfg["num_stages_short"] if short else cfg["num_stages"]
     per_sm = cfg["programs_per_sm_fp8" if is_fp8(k_cache.dtype) else "programs_per_sm"]
     splits = cfg.get("splits") or num_splits(b, hkv, capacity, block_n, q.device, per_sm,
-                                             cfg["min_split"])
+                                             cfg["min_split_short" if short else "min_split"])
     part_o = q.new_empty(b, hkv, splits, g, d, dtype=torch.float32)
     part_m = q.new_empty(b, hkv, splits, g, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
@@ -152,7 +158,7 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
         LOG2E / d**0.5, HQ=hq, HKV=hkv, G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=splits, IS_FP8=is_fp8(k_cache.dtype),
         DOT_PREC=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=stages)
     out = q.new_empty(b, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
     _decode_combine_kernel[(b, hkv)](
         part_o, part_m, part_l, gate, out, gate if out_scale is None else out_scale, HQ=hq,

@@ -103,6 +103,8 @@ def linear_config(m: int, dtype_bytes: float):
     tokens: 16-row token tiles with the weights on the MMA's M side."""
     from ._moe_common import GemmConfig
 
-    if m <= 64:
-        return GemmConfig(16, 64, 256 if dtype_bytes == 1 else 128, 4, 4, swap=True)
+    if m <= 64:  # FP8 at M = 1: 6 stages of 256-deep K tiles (H200 sweep with the weights
+        if dtype_bytes == 1:  # out of L2, bench/decode_sweep.py, 2026-11-29)
+            return GemmConfig(16, 64, 256, 4, 6, swap=True)
+        return GemmConfig(16, 64, 128, 4, 4, swap=True)
     return GemmConfig(128, 128, 128 if dtype_bytes == 1 else 64, 8, 3)

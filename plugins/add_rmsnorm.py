@@ -73,7 +73,7 @@ def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
     h_new, x = torch.empty_like(h), torch.empty_like(h)
     q = None if x_scale is None else torch.empty(h.shape, dtype=FP8_DTYPE, device=h.device)
     if t:
-        grid, p = row_launch_params(t, hidden, h.device)
+        grid, p = row_launch_params(t, hidden, h.device, q is not None)
         quant = (x, w_pre, 0) if q is None else (q, x_scale, q.stride(0))  # unread if None
         _add_rmsnorm_kernel[(grid,)](
             h, y, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(0),

@@ -248,17 +248,19 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
 
 
 # The gate GEMM x [T, H] · g_weight^T [H, Hq] (Hq = 48 for Beam). Up to `fma_tokens` tokens:
-# FP32 FMAs, two heads a program, so a batch-1 step reads the 0.5 MB weight over Hq / 2
-# programs (the router's logits do the same). More: tensor-core tiles of up to `tile_tokens`
+# FP32 FMAs, one head a program over all of H in one load (up to `fma_elems` elements of x a
+# program), so a batch-1 step reads the 0.5 MB weight over Hq programs with no serial K loop
+# (two heads and five 1024-wide steps made qk_prep 5.8 us on the H200, 2026-11-29). More: tensor-core tiles of up to `tile_tokens`
 # tokens, 16 heads wide up to `narrow_tokens` tokens (more programs), the whole (padded) head
 # dim beyond (the weight is then read once per token tile). Not tuned on a GPU yet.
-GATE_CONFIG = dict(fma_tokens=4, narrow_tokens=256, tile_tokens=64)
+GATE_CONFIG = dict(fma_tokens=4, fma_elems=8192, narrow_tokens=256, tile_tokens=64)
 
 
-def gate_launch_params(t: int, hq: int) -> dict:
+def gate_launch_params(t: int, hq: int, h: int) -> dict:
     c = GATE_CONFIG
     if t <= c["fma_tokens"]:
-        return dict(GATE_T=next_pow2(t), GATE_G=2, GATE_K=1024, GATE_DOT=False)
+        gate_k = max(256, min(next_pow2(h), c["fma_elems"] // next_pow2(t)))
+        return dict(GATE_T=next_pow2(t), GATE_G=1, GATE_K=gate_k, GATE_DOT=False)
     gate_g = 16 if t <= c["narrow_tokens"] else max(16, min(64, next_pow2(hq)))
     return dict(GATE_T=min(c["tile_tokens"], max(16, next_pow2(t))), GATE_G=gate_g, GATE_K=64,
                 GATE_DOT=True)
@@ -279,7 +281,7 @@ def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_ca
     grid = t * (triton.cdiv(hq, qh) + 1)
     gate_x = g_weight is not None
     if gate_x:
-        gp = gate_launch_params(t, hq)
+        gp = gate_launch_params(t, hq, x.shape[1])
         grid += triton.cdiv(t, gp["GATE_T"]) * triton.cdiv(hq, gp["GATE_G"])
     else:  # no gate programs; x and g_weight are never read
         gp = dict(GATE_T=1, GATE_G=1, GATE_K=1, GATE_DOT=False)
