@@ -9,9 +9,9 @@ For each recipe (fp8: every Linear and the experts FP8 W8A8; nvfp4: FP8 attentio
 MLP and experts) it lists the engine's problems at decode batch 1 / 8 / 64 (the CUDA-graph
 sizes) and a 2K-token prefill chunk, FP8 KV cache, 128K-token full-attention table, and runs
 the search: one progress line per problem, then a table problem | default µs | chosen µs |
-chosen config, and the search time. Times are medians of CUDA events over repeated launches
-with the L2 cache flushed between them (triton.testing.do_bench), as in a layer whose weights
-were last read a layer ago. --smoke runs the tiny Beam's shapes in Triton's interpreter
+chosen config, and the search time. Times are device times of CUDA-graph replays, each call
+behind a write that evicts L2 (autotune.graph_timer), as in a decode step whose layer's
+weights were last read a layer ago. --smoke runs the tiny Beam's shapes in Triton's interpreter
 (wall-clock times: they say nothing about speed; it shows the code path works).
 """
 
