@@ -8,6 +8,7 @@ import torch
 from .registry import PluginError
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_CODES = (torch.float8_e4m3fn,)
 
 
 def _expect(cond: bool, op: str, msg: str) -> None:
@@ -33,3 +34,15 @@ def check_linear_x(op: str, x: torch.Tensor, k: int, dtypes: tuple = ACT_DTYPES)
 def check_device(op: str, x: torch.Tensor, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         _expect(t.device == x.device, op, f"{name} is on {t.device}, x on {x.device}")
+
+
+def check_out_dtype(op: str, x: torch.Tensor, out_dtype) -> torch.dtype:
+    """-> the output dtype of an FP8 W8A8 op: x's for a floating x (out_dtype None or equal),
+    out_dtype (required, an activation dtype) when x holds FP8 codes already."""
+    if x.dtype in FP8_CODES:
+        _expect(out_dtype in ACT_DTYPES, op, f"x holds FP8 codes: out_dtype must be one of "
+                f"bfloat16, float16, float32, got {out_dtype}")
+        return out_dtype
+    _expect(out_dtype in (None, x.dtype), op,
+            f"out_dtype {out_dtype} differs from x's dtype {x.dtype}")
+    return x.dtype

@@ -28,14 +28,11 @@ import triton
 import triton.language as tl
 
 from ._checks import ACT_DTYPES, _expect, check_tensor
-from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix)
-from ._common import TL_DTYPES, bf16_grid  # noqa: F401  (TL_DTYPES: re-exported)
+from ._common import TL_DTYPES  # noqa: F401  (re-exported)
+from ._gemm import round_to
 from .registry import PluginError
 
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
-# FP8 MMA partial sums are added into the FP32 accumulator at least every this many products
-# (DeepSeek-V3 report 3.3.2 and cuBLAS promote every 128 as well).
-PROMOTE_EVERY = tl.constexpr(128)
 ONE_PROGRAM_ALIGN = 4096  # up to this many pairs the token sort is one program (one launch)
 
 
@@ -235,16 +232,7 @@ def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, direct:
     return Routing(False, block_m, rows // block_m, rows, ids, sorted_slots, block_expert, num_rows)
 
 
-# ---------------------------------------------------------------------------- kernel helpers
-@triton.jit
-def tile_of(pid, num_m, num_n, GROUP_M: tl.constexpr):
-    """Grouped launch order: GROUP_M row blocks (one expert's) share each weight tile in L2."""
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % width) % size_m, (pid % width) // size_m
-
-
+# ---------------------------------------------------------------------------- row blocks
 @triton.jit
 def block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel, DIRECT: tl.constexpr,
                BLOCK_M: tl.constexpr):
@@ -261,108 +249,6 @@ def block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel, DIRECT: tl.c
         slots = tl.load(sorted_ptr + rows)
         valid = slots < numel
     return expert, slots, valid, rows
-
-
-@triton.jit
-def round_to(x, dtype: tl.constexpr):
-    """FP32 x rounded to what `dtype` holds (nearest-even), kept in FP32: the reference rounds
-    every module output to the activation dtype."""
-    if dtype == tl.bfloat16:
-        x = bf16_grid(x)
-    elif dtype == tl.float16:
-        x = x.to(tl.float16).to(tl.float32)
-    return x
-
-
-@triton.jit
-def silu_mul(gate, up, dtype: tl.constexpr):
-    """F.silu(gate) * up with the reference's roundings (gate, up, silu, product to dtype)."""
-    gate = round_to(gate, dtype)
-    up = round_to(up, dtype)
-    return round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
-
-
-@triton.jit
-def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def mma(acc, a, w, SWAP: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a @ w^T (a [BM, BK] tokens, w [BN, BK] weights; acc [BM, BN]), or with SWAP
-    acc + w @ a^T (acc [BN, BM]): the weights fill the MMA's 64-row M side, so a block of a
-    few tokens (decode) still runs on full tensor-core tiles fed from shared memory."""
-    if SWAP:
-        acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
-    else:
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def mma_fp8(acc, a, w, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`mma` for FP8 operands; the tensor-core partial sums are promoted to the FP32
-    accumulator every min(BLOCK_K, PROMOTE_EVERY) products (Hopper's FP8 MMA accumulates with
-    reduced precision, and Triton's default would never promote), so a wider K tile does not
-    make the sum less precise."""
-    if BLOCK_K > PROMOTE_EVERY:
-        if SWAP:
-            acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE_EVERY)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE_EVERY)
-    else:
-        if SWAP:
-            acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
-    return acc
-
-
-@triton.jit
-def fp8_gemm_loop(a_ptrs, a_rows_ok, w_ptrs, n_mask, K, up_offset, GATED: tl.constexpr,
-                  SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """The K loop of the FP8 W8A8 GEMMs (moe_fp8, linear_fp8): activation codes [BLOCK_M,
-    BLOCK_K] (rows `a_rows_ok`) times weight codes [BLOCK_N, BLOCK_K] (rows `n_mask`), both
-    contiguous in K; with GATED also the weight rows `up_offset` elements further (an expert's
-    up_proj) into a second accumulator. Few tokens: SWAP puts the weights on the MMA's M side
-    (see `mma`). -> (acc, acc_up), unscaled FP32 sums, [BN, BM] with SWAP else [BM, BN]."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=a_rows_ok[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        acc = mma_fp8(acc, a, tl.load(w_ptrs, mask=w_mask, other=0.0), SWAP, BLOCK_K)
-        if GATED:
-            w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            acc_up = mma_fp8(acc_up, a, w_up, SWAP, BLOCK_K)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    return acc, acc_up
-
-
-@triton.jit
-def outer(row_scale, col_scale, SWAP: tl.constexpr):
-    """row_scale [BM] x col_scale [BN] in the accumulator's orientation."""
-    if SWAP:
-        out = col_scale[:, None] * row_scale[None, :]
-    else:
-        out = row_scale[:, None] * col_scale[None, :]
-    return out
-
-
-@triton.jit
-def unswap(acc, SWAP: tl.constexpr):
-    """The accumulator as [BM, BN] (tokens x channels) for the epilogue."""
-    if SWAP:
-        acc = tl.trans(acc)
-    return acc
 
 
 # ---------------------------------------------------------------------------- combine
@@ -416,11 +302,6 @@ def default_config(numel: int, num_experts: int, gated: bool, block_k: int = 128
     if rows_per_expert < 96:
         return GemmConfig(64, 64, block_k, 4, 4)
     return GemmConfig(128, 64 if gated else 128, block_k, 8, 3)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """FP32 activations get IEEE FP32 dots (the reference is FP32), others the native MMA."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def routing_ptrs(routing: Routing) -> tuple:

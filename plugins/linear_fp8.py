@@ -11,7 +11,7 @@ float8_e4m3fn; weight_scale fp32 [] or [N]; input_scale fp32 []; out_dtype: None
 floating x (the output takes x's dtype), required for FP8 codes (bf16 / fp16 / fp32).
 Output: a new [..., N] tensor (no `out=`; inputs are never written).
 On CUDA, up to SMALL_M tokens (decode) run the Triton GEMM with the weights on the MMA's M side
-(the swap-AB loop shared with beam::moe_fp8, `_moe_common.fp8_gemm_loop`): cuBLAS picks a
+(the swap-AB loop shared with beam::moe_fp8, `_gemm.fp8_gemm_loop`): cuBLAS picks a
 128-row tile for M = 1 and read the weights at 2.6-3.3x their floor in the engine bench. More
 tokens run torch._scaled_mm (FP8 tensor cores, FP32 accumulation) where its shape rules hold
 (K and N multiples of 16), the Triton GEMM otherwise.
@@ -28,9 +28,10 @@ import triton.language as tl
 
 from beam_trtllm.quant_formats import dequantize_fp8, quantize_fp8_activation
 
-from ._checks import ACT_DTYPES, _expect, check_device, check_linear_x, check_tensor
+from ._checks import (ACT_DTYPES, _expect, check_device, check_linear_x, check_out_dtype,
+                      check_tensor)
 from ._fp8_act import quant_fp8_per_tensor
-from ._moe_common import fp8_gemm_loop, round_to, tile_of, unswap
+from ._gemm import fp8_gemm_loop, round_to, tile_of, unswap
 from ._tiles import linear_config
 from .registry import dispatch, register
 from .tuning import tuned_linear
@@ -45,18 +46,13 @@ def check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype=None) -> to
     check_tensor(OP, "weight", weight, (None, None), FP8)
     n, k = weight.shape
     check_linear_x(OP, x, k, ACT_DTYPES + FP8)
-    if x.dtype in FP8:
-        _expect(out_dtype in ACT_DTYPES, OP, f"x holds FP8 codes: out_dtype must be one of "
-                f"bfloat16, float16, float32, got {out_dtype}")
-    else:
-        _expect(out_dtype in (None, x.dtype), OP,
-                f"out_dtype {out_dtype} differs from x's dtype {x.dtype}")
+    out_dtype = check_out_dtype(OP, x, out_dtype)
     _expect(weight_scale.dim() == 0 or tuple(weight_scale.shape) == (n,), OP,
             f"weight_scale has shape {list(weight_scale.shape)}, expected [] or [{n}]")
     check_tensor(OP, "weight_scale", weight_scale, tuple(weight_scale.shape), (torch.float32,))
     check_tensor(OP, "input_scale", input_scale, (), (torch.float32,))
     check_device(OP, x, weight=weight, weight_scale=weight_scale, input_scale=input_scale)
-    return out_dtype or x.dtype
+    return out_dtype
 
 
 @register(OP, "reference")

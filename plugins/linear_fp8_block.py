@@ -23,7 +23,7 @@ from beam_trtllm.quant_formats import FP8_BLOCK, dequantize_fp8, fake_quant_fp8_
 
 from ._checks import check_device, check_linear_x, check_tensor
 from ._fp8_act import quant_fp8_per_token_block
-from ._moe_common import acc_zeros, mma_fp8, outer, round_to, tile_of, unswap
+from ._gemm import acc_zeros, mma_fp8, outer, round_to, tile_of, unswap
 from ._tiles import linear_config
 from .registry import dispatch, register
 

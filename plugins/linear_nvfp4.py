@@ -19,7 +19,7 @@ import triton.language as tl
 from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 
 from ._checks import _expect, check_device, check_linear_x, check_tensor
-from ._moe_common import acc_zeros, dot_precision, mma, round_to, tile_of, unswap
+from ._gemm import acc_zeros, dot_precision, mma, round_to, tile_of, unswap
 from .moe_nvfp4 import use_asm
 from ._tiles import linear_config, nvfp4_tile
 from .registry import dispatch, register

@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._gemm import acc_zeros, dot_precision, mma, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, GemmConfig, Routing, acc_zeros, block_rows, check_expert_weights,
-    check_ids_in_range, check_routing, combine, configs_for, dot_precision, fake_moe, mma,
-    plan_routing, ref_moe, round_to, routing_ptrs, silu_mul, tile_of, unswap,
+    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_rows, check_expert_weights, check_ids_in_range,
+    check_routing, combine, configs_for, fake_moe, plan_routing, ref_moe, routing_ptrs,
 )
 from .registry import dispatch, register
 

@@ -34,11 +34,12 @@ from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
 
 from ._common import e4m3_grid
 from ._fp8_act import quant_fp8_per_tensor
-from ._checks import ACT_DTYPES, _expect, check_device
+from ._checks import ACT_DTYPES, check_device, check_out_dtype
+from ._gemm import fp8_gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, fp8_gemm_loop,
-    plan_routing, ref_moe, round_to, routing_ptrs, silu_mul, tile_of, unswap,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, plan_routing, ref_moe,
+    routing_ptrs,
 )
 from .registry import dispatch, register
 from .tuning import tuned_moe
@@ -51,12 +52,7 @@ def check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_s
                   out_dtype=None):
     """-> (E, I, the activations' dtype)."""
     check_routing(OP, x, topk_ids, topk_weights, ACT_DTYPES + FP8)
-    if x.dtype in FP8:
-        _expect(out_dtype in ACT_DTYPES, OP, f"x holds FP8 codes: out_dtype must be one of "
-                f"bfloat16, float16, float32, got {out_dtype}")
-    else:
-        _expect(out_dtype in (None, x.dtype), OP,
-                f"out_dtype {out_dtype} differs from x's dtype {x.dtype}")
+    act = check_out_dtype(OP, x, out_dtype)
     e, inner = check_expert_weights(OP, x, w13, w2, FP8)
     check_tensor(OP, "w13_scale", w13_scale, (e, 2 * inner), (torch.float32,))
     check_tensor(OP, "w2_scale", w2_scale, (e, x.shape[1]), (torch.float32,))
@@ -64,7 +60,7 @@ def check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_s
     check_tensor(OP, "a2_scale", a2_scale, (), (torch.float32,))
     check_device(OP, x, w13_scale=w13_scale, w2_scale=w2_scale, a13_scale=a13_scale,
                  a2_scale=a2_scale)
-    return e, inner, out_dtype or x.dtype
+    return e, inner, act
 
 
 @register(OP, "reference")

@@ -32,10 +32,11 @@ from beam_trtllm.quant_formats import FP8_BLOCK, fake_quant_fp8_per_token_block
 
 from ._fp8_act import ACT_EPS, quant_block_tile, quant_fp8_per_token_block
 from ._checks import check_device
+from ._gemm import acc_zeros, mma_fp8, outer, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, acc_zeros, block_rows, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, mma_fp8,
-    outer, plan_routing, ref_moe, round_to, routing_ptrs, silu_mul, tile_of, unswap,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, plan_routing,
+    ref_moe, routing_ptrs,
 )
 from .registry import PluginError, dispatch, register
 

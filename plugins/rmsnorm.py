@@ -63,7 +63,8 @@ ROW_CONFIG = {
 }
 
 
-def row_launch_params(t: int, h: int, device: torch.device, quant: bool = False) -> tuple[int, dict]:
+def row_launch_params(t: int, h: int, device: torch.device,
+                      quant: bool = False) -> tuple[int, dict]:
     """(grid size, kernel parameters) for a [t, h] row kernel (`quant`: writing FP8 codes)."""
     cfg = ROW_CONFIG["many" if t >= 1024 else ("few_fp8" if quant else "few")]
     block = next_pow2(h)
