@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels as kb  # noqa: E402
+import kernels_sweep  # noqa: E402
 from kernels_sweep import patched  # noqa: E402
 from plugins import _attention_decode, rmsnorm  # noqa: E402
 from plugins._common import cast_rne, sm_count  # noqa: E402
@@ -37,26 +38,15 @@ from plugins._moe_common import GemmConfig  # noqa: E402
 from plugins.linear_fp8 import linear_fp8_triton  # noqa: E402
 
 DEV, BF16, FP8 = "cuda", torch.bfloat16, torch.float8_e4m3fn
-SKIPPED = (AssertionError, triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError)
+SKIPPED = (AssertionError, triton.runtime.errors.OutOfResources,
+           triton.compiler.errors.CompilationError)
 GRID_LIMIT = None  # --smoke: the first two configurations of each grid
 
 
 def run_grid(name, grid, timed, work, unit, ceiling):
-    """Time each configuration (skipping, with the reason, one that does not fit or whose output
-    is wrong) and print the six fastest."""
-    results = []
-    for conf in grid[:GRID_LIMIT]:
-        try:
-            us = timed(conf)
-        except SKIPPED as exc:
-            print(f"  {name} {conf}: skipped: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-            continue
-        results.append(dict(us=us, **conf))
-    results.sort(key=lambda r: r["us"])
-    for r in results[:6]:
-        rate = work / r["us"] / (1e3 if unit == "GB/s" else 1e6)
-        print(f"  {name} {r}: {rate:.0f} {unit} ({100 * rate / ceiling:.1f}%)", flush=True)
-    return {name: results}
+    """kernels_sweep.run_grid, also skipping a configuration that does not compile or whose
+    output is wrong (`checked`), over the first GRID_LIMIT configurations."""
+    return kernels_sweep.run_grid(name, grid[:GRID_LIMIT], timed, work, unit, ceiling, SKIPPED)
 
 
 def checked(fn, want, exact=True):
@@ -184,12 +174,10 @@ def sweep_norm16k(cfg, ceil):
     out = run_grid("add_rmsnorm 16K shipped", [{}], lambda conf: kb.time_us(
         lambda: torch.ops.beam.add_rmsnorm(hh, y, w, w, 0.9, 0.4, eps)), 4 * t * h * 2, "GB/s",
         ceil["copy_GBps"])
-    grid = [dict(CHUNK=c, warps=nw, per_sm=p) for c in (512, 1024) for nw in (2, 4, 8)
-            for p in (4, 8, 16)]
+    grid = [dict(CHUNK=c, warps=nw, per_sm=p) for c in (512, 1024) if h % c == 0
+            for nw in (2, 4, 8) for p in (4, 8, 16)]
 
     def timed(conf):
-        if h % conf["CHUNK"]:
-            raise triton.runtime.errors.OutOfResources(0, 0, "CHUNK does not divide H")
         ho, xo = torch.empty_like(hh), torch.empty_like(hh)
         grid_n = min(t, conf["per_sm"] * sm_count(torch.device(DEV)))
 

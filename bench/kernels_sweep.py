@@ -40,13 +40,15 @@ def patched(table: dict, **changes):
         table.update(old)
 
 
-def run_grid(name, grid, timed, work, unit, ceiling):
+def run_grid(name, grid, timed, work, unit, ceiling, skip=(OutOfResources,)):
+    """Time each configuration, skipping (with the reason) one that raises `skip` (a tile that
+    does not fit in shared memory, by default), and print the six fastest."""
     results = []
     for conf in grid:
         try:
             us = timed(conf)
-        except OutOfResources as exc:  # a tile that does not fit in shared memory: skip it
-            print(f"  {name} {conf}: {exc}", flush=True)
+        except skip as exc:
+            print(f"  {name} {conf}: skipped: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
             continue
         results.append(dict(us=us, **conf))
     results.sort(key=lambda r: r["us"])

@@ -9,7 +9,7 @@ import plugins  # noqa: F401
 from _linear_testdata import linear_args
 from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
-from kernel_cases import KERNEL_DEVICE
+from kernel_cases import KERNEL_DEVICE, on_cpu
 from plugins import linear_fp8, linear_fp8_block, linear_nvfp4
 
 pytestmark = pytest.mark.kernel
@@ -20,12 +20,6 @@ def _tol(fmt, dtype):
     gpu_fp8 = KERNEL_DEVICE == "cuda" and fmt.startswith("fp8")
     return tol("linear-fp8-mma" if gpu_fp8 else "linear", dtype)
 
-
-def _cpu(args):
-    """The references run on the CPU, the oracle: on the GPU, torch's own float -> FP8
-    conversion of an activation at the top of its range differed from the CPU's (ref on CUDA
-    0.06 off the exact product in bench/fp8_mma_precision.py, 2026-11-29)."""
-    return tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
 
 KERNELS = {"fp8": (linear_fp8.linear_fp8_triton, linear_fp8.ref_linear_fp8),
            "fp8_block": (linear_fp8_block.linear_fp8_block_triton,
@@ -42,7 +36,7 @@ def test_kernel_matches_reference(fmt, dtype, t):
     kernel, ref = KERNELS[fmt]
     out = kernel(*args)
     assert out.dtype == dtype and out.shape == (t, 72)
-    torch.testing.assert_close(out.cpu(), ref(*_cpu(args)), **_tol(fmt, dtype))
+    torch.testing.assert_close(out.cpu(), ref(*on_cpu(args)), **_tol(fmt, dtype))
 
 
 def test_fp8_per_row_scale_and_leading_dims_through_the_op():
@@ -50,7 +44,7 @@ def test_fp8_per_row_scale_and_leading_dims_through_the_op():
     args = tuple(a.to(KERNEL_DEVICE) for a in linear_args("fp8", x, n=40, seed=3, per_row=True))
     out = torch.ops.beam.linear_fp8(*args)  # TRITON_INTERPRET=1: the Triton GEMM
     assert out.shape == (2, 5, 40)
-    torch.testing.assert_close(out.cpu(), linear_fp8.ref_linear_fp8(*_cpu(args)),
+    torch.testing.assert_close(out.cpu(), linear_fp8.ref_linear_fp8(*on_cpu(args)),
                                **_tol("fp8", torch.bfloat16))
 
 
@@ -64,5 +58,5 @@ def test_fp8_codes_input_is_the_same_gemm(dtype, t):
     codes = quantize_fp8_activation(x, xs)
     out = linear_fp8.linear_fp8_triton(codes, w, s, xs, dtype)
     assert out.dtype == dtype and torch.equal(out, linear_fp8.linear_fp8_triton(x, w, s, xs))
-    torch.testing.assert_close(out.cpu(), linear_fp8.ref_linear_fp8(*_cpu((codes, w, s, xs)), dtype),
-                               **_tol("fp8", dtype))
+    want = linear_fp8.ref_linear_fp8(*on_cpu((codes, w, s, xs)), dtype)
+    torch.testing.assert_close(out.cpu(), want, **_tol("fp8", dtype))

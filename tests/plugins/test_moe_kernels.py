@@ -11,7 +11,7 @@ import plugins  # noqa: F401
 from _moe_testdata import activation_scales, dense_experts, moe_args, pack_experts, random_routing
 from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
-from kernel_cases import KERNEL_DEVICE
+from kernel_cases import KERNEL_DEVICE, on_cpu
 from plugins import _moe_common, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
 
 pytestmark = pytest.mark.kernel
@@ -30,11 +30,6 @@ def _tolerance(fmt, dtype):
     if fmt.startswith("fp8"):  # on a GPU also Hopper's reduced-precision FP8 MMA
         return tol("moe-fp8-mma" if KERNEL_DEVICE == "cuda" else "moe-fp8", dtype)
     return tol("moe", dtype)
-
-
-def _cpu(args):
-    """The references run on the CPU, the oracle (see test_linear_kernels._cpu)."""
-    return tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _case(fmt, dtype, t, seed, experts=None, ids=None):
@@ -58,7 +53,7 @@ def test_kernel_matches_reference(fmt, dtype, t, direct):
     kernel, ref = KERNELS[fmt]
     out = kernel(*args, direct=direct)
     assert out.dtype == dtype and out.shape == args[0].shape
-    torch.testing.assert_close(out.cpu(), ref(*_cpu(args)), **_tolerance(fmt, dtype))
+    torch.testing.assert_close(out.cpu(), ref(*on_cpu(args)), **_tolerance(fmt, dtype))
 
 
 @pytest.mark.parametrize("fmt", sorted(KERNELS))
@@ -68,7 +63,7 @@ def test_all_tokens_on_one_expert_through_the_op(fmt):
     ids = torch.cat([torch.zeros(t, 1, dtype=torch.int64), ids], 1).to(torch.int32)
     args = _case(fmt, torch.bfloat16, t, seed=5, ids=ids)
     out = getattr(torch.ops.beam, f"moe_{fmt}")(*args)  # TRITON_INTERPRET=1: the Triton kernel
-    torch.testing.assert_close(out.cpu(), KERNELS[fmt][1](*_cpu(args)),
+    torch.testing.assert_close(out.cpu(), KERNELS[fmt][1](*on_cpu(args)),
                                **_tolerance(fmt, torch.bfloat16))
 
 
@@ -82,8 +77,8 @@ def test_fp8_codes_input_is_the_same_moe(dtype, t, direct):
     codes = quantize_fp8_activation(x, rest[6])  # rest[6]: a13_scale
     out = moe_fp8.moe_fp8_triton(codes, *rest, out_dtype=dtype, direct=direct)
     assert out.dtype == dtype and torch.equal(out, moe_fp8.moe_fp8_triton(x, *rest, direct=direct))
-    want = moe_fp8.ref_moe_fp8(codes.cpu(), *(a.cpu() for a in rest), out_dtype=dtype)
-    assert torch.equal(want, moe_fp8.ref_moe_fp8(x.cpu(), *(a.cpu() for a in rest)))
+    want = moe_fp8.ref_moe_fp8(*on_cpu((codes, *rest)), out_dtype=dtype)
+    assert torch.equal(want, moe_fp8.ref_moe_fp8(*on_cpu((x, *rest))))
     torch.testing.assert_close(out.cpu(), want, **_tolerance("fp8", dtype))
     with pytest.raises(Exception, match="out_dtype"):
         moe_fp8.moe_fp8_triton(codes, *rest)
@@ -92,7 +87,7 @@ def test_fp8_codes_input_is_the_same_moe(dtype, t, direct):
 def test_single_token_and_empty_batch():
     args = _case("nvfp4", torch.bfloat16, 1, seed=9)
     kernel, ref = KERNELS["nvfp4"]
-    torch.testing.assert_close(kernel(*args).cpu(), ref(*_cpu(args)),
+    torch.testing.assert_close(kernel(*args).cpu(), ref(*on_cpu(args)),
                                **_tolerance("nvfp4", torch.bfloat16))
     empty = [a[:0] if i < 3 else a for i, a in enumerate(args)]
     assert kernel(*empty).shape == (0, args[0].shape[1])

@@ -111,7 +111,8 @@ def test_fp8_norm_ops_are_the_norms_plus_the_activation_quantizer():
 def test_fp8_norm_kernels_match_reference(t, h, dtype, monkeypatch):
     """The kernels' x / h' as the plain kernels' (tolerances above); their FP8 codes are exactly
     the quantizer's of the x they return (same rounding, saturation, -0.0)."""
-    monkeypatch.setitem(ROW_CONFIG, "few_fp8", dict(ROW_CONFIG["few_fp8"], ROWS=4, programs_per_sm=1))
+    monkeypatch.setitem(ROW_CONFIG, "few_fp8",
+                        dict(ROW_CONFIG["few_fp8"], ROWS=4, programs_per_sm=1))
     hs, y = _rows(t, h, dtype, 16), _rows(t, h, dtype, 17, scale=5.0)
     w_post = (1.0 + 0.1 * _rows(1, h, torch.float32, 18)[0]).to(dtype)
     w_pre = (1.0 + 0.1 * _rows(1, h, torch.float32, 19)[0]).to(dtype)
