@@ -111,3 +111,51 @@ def test_kernels_compile_for_hopper_without_spills(build):
             assert "warp_group_dot" in kernel.asm["ttgir"], "prefill does not use wgmma"
         if name in ("_linear_fp8_kernel", "_moe_fp8_kernel"):  # swap-AB: weights on wgmma's M
             assert "warp_group_dot" in kernel.asm["ttgir"], f"{name} does not use wgmma"
+
+
+def _nvfp4_decode():
+    """The NVFP4 recipe's decode GEMMs (W4A16): a linear and an expert pair at M = 1."""
+    from plugins.linear_nvfp4 import linear_nvfp4_triton
+    from plugins.moe_nvfp4 import moe_nvfp4_triton
+
+    one, e, inner = torch.ones(()), 8, BEAM.moe_intermediate_size
+    linear_nvfp4_triton(torch.randn(1, H, dtype=BF16), torch.zeros(HQ * D, H // 2, dtype=torch.uint8),
+                        torch.ones(HQ * D, H // 16, dtype=FP8), one)
+    moe_nvfp4_triton(torch.randn(1, H, dtype=BF16), torch.arange(8, dtype=torch.int32)[None],
+                     torch.rand(1, 8), torch.zeros(e, 2 * inner, H // 2, dtype=torch.uint8),
+                     torch.ones(e, 2 * inner, H // 16, dtype=FP8), torch.ones(e),
+                     torch.zeros(e, H, inner // 2, dtype=torch.uint8),
+                     torch.ones(e, H, inner // 16, dtype=FP8), torch.ones(e))
+
+
+# What one batch-1 decode step of a MoE layer launches (tests/plugins/test_decode_launches.py),
+# FP8 and NVFP4 recipes; the kernels that prefetch their weights before the wait.
+DECODE_CHAIN = ["fp8-gemms-decode", "norms-fp8-out", "attention-decode-fp8-out",
+                "attention-decode-bf16", "qk_prep-full-gate-from-x", "norm-cache-router"]
+PREFETCHING = {"_linear_fp8_kernel", "_linear_nvfp4_kernel", "_router_logits_kernel"}
+NOT_IN_DECODE = {"_quant_per_tensor_kernel", "_cache_write_kernel"}  # launched without PDL
+
+
+@pytest.mark.parametrize("build", DECODE_CHAIN + ["nvfp4-decode"])
+def test_decode_kernels_compile_with_programmatic_dependent_launch(build, monkeypatch):
+    """With PDL (plugins/_pdl.py) every kernel of a decode step is launched with it and waits
+    for the previous grid (griddepcontrol.wait) before it touches what that grid wrote; the
+    decode GEMMs and the router's GEMV prefetch their weight rows into L2 before the wait."""
+    import plugins._pdl as pdl
+
+    monkeypatch.setitem(pdl.SETTINGS, "force", True)
+    with compile_instead_of_launch() as compiled:
+        (BUILDS[build] if build in BUILDS else _nvfp4_decode)()
+    assert compiled
+    for name, kernel in compiled:
+        ptx = kernel.asm["ptx"]
+        if name in NOT_IN_DECODE:
+            assert not kernel.metadata.launch_pdl and "griddepcontrol" not in ptx, name
+            continue
+        assert kernel.metadata.launch_pdl, f"{name} launched without PDL"
+        assert "griddepcontrol.wait" in ptx, f"{name} never waits for the previous grid"
+        assert "griddepcontrol.launch_dependents" in ptx, f"{name} never triggers the next"
+        tiled_router = name == "_router_logits_kernel" and "warp_group_dot" in kernel.asm["ttgir"]
+        prefetches = "prefetch.global.L2::evict_last" in ptx
+        assert prefetches == (name in PREFETCHING and not tiled_router), name
+        assert spill_bytes(kernel) == 0, f"{name} spills registers: {resource_usage(kernel)}"
