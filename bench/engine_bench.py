@@ -130,12 +130,10 @@ def layer_input(model, i: int, h: torch.Tensor):
     return x, xq
 
 
-def decode_layers(engine, chunk, device, iters: int, outputs: list | None = None) -> list[float]:
-    """Batch-1 decode time of each layer alone, replaying its captured CUDA graph (seeded
-    inputs; `outputs` receives each layer's (h', x, FP8 codes) after the last replay)."""
+def decode_layers(engine, chunk, device, iters: int) -> list[float]:
+    """Batch-1 decode time of each layer alone, replaying its captured CUDA graph."""
     s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
     model, times = engine.model, []
-    torch.manual_seed(1)
     h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         for i in range(len(model.layers)):
@@ -145,44 +143,11 @@ def decode_layers(engine, chunk, device, iters: int, outputs: list | None = None
             if device.type == "cuda":
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    out = model.layer(i, h, x, xq, s)
-                times.append(cuda_time(graph.replay, iters, device))
+                    model.layer(i, h, x, xq, s)
+                times.append(cuda_time(graph.replay, 200, device))
             else:
                 times.append(cuda_time(lambda: model.layer(i, h, x, xq, s), 3, device))
-                out = model.layer(i, h, x, xq, s)
-            if outputs is not None:
-                outputs.append([None if o is None else o.clone() for o in out])
     return times
-
-
-# Programmatic-dependent-launch variants (plugins/_pdl.py SETTINGS) that --pdl-variants compares
-PDL_VARIANTS = {
-    "off": dict(enabled=False),
-    "on": dict(enabled=True, gemm_trigger="late", prefetch=True),  # the default
-    "no-prefetch": dict(enabled=True, gemm_trigger="late", prefetch=False),
-    "early": dict(enabled=True, gemm_trigger="early", prefetch=True),
-}
-
-
-def decode_layers_pdl(engine, chunk, device, variants: list[str]) -> dict[str, list[float]]:
-    """`decode_layers` once per PDL variant (each captures its own graphs), then the default."""
-    from plugins._pdl import SETTINGS
-
-    default, out, first = dict(SETTINGS), {}, None
-    try:
-        for name in variants:
-            SETTINGS.update(PDL_VARIANTS[name])
-            layer_outs = []
-            out[name] = decode_layers(engine, chunk, device, 200, layer_outs)
-            first = first or (name, layer_outs)
-            same = all(all((a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                           for a, b in zip(la, lb)) for la, lb in zip(first[1], layer_outs))
-            out[f"{name} bit-equal to {first[0]}"] = same
-            log(f"PDL {name}: " + ", ".join(f"{ms:.4f}" for ms in out[name])
-                + f" ms; outputs bit-equal to {first[0]}: {same}")
-    finally:
-        SETTINGS.update(default)
-    return out
 
 
 def count_launches(engine, chunk, device) -> list[dict]:
@@ -271,9 +236,6 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     chunk = Chunk(req, req.num_computed, 1)
     decode_ms = section(res, "per-layer decode graphs", lambda: decode_layers(engine, chunk, device, 200))
     launches = section(res, "launch count", lambda: count_launches(engine, chunk, device))
-    if args.pdl_variants:
-        res["pdl"] = section(res, "PDL variants", lambda: decode_layers_pdl(
-            engine, chunk, device, args.pdl_variants.split(",")))
     for i in range(cfg.num_hidden_layers):
         base = fmt.removesuffix("+gate")
         nbytes = decode_bytes(cfg, base, i, context=seq_len)
@@ -292,12 +254,12 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     for k in range(seqs):
         engine.abort(f"p{k}")
     engine.step()
-    if device.type == "cuda" and not args.skip_throughput:
+    if device.type == "cuda":
         from beam_trtllm.engine.graphs import DecodeGraphs
 
         engine.graphs = section(res, "capture decode graphs (1, 64)", lambda: DecodeGraphs(
             engine.model, engine.options, engine.kv_plan, engine.cfg, device, sizes=(1, 64)))
-    batches = () if args.skip_throughput else (1, 64) if not args.smoke else (1, 4)
+    batches = (1, 64) if not args.smoke else (1, 4)
     res["decode"] = [d for b in batches if (d := section(res, f"decode batch {b}", lambda b=b:
                      decode_throughput(engine, b, 128 if not args.smoke else 6,
                                        32 if not args.smoke else 2, device))) is not None]
@@ -323,13 +285,6 @@ def print_table(results: list[dict], ceilings: dict) -> None:
                   f"{(l.get('kernel_us') or float('nan')) / 1e3:.4f} | "
                   f"{l['prefill_ms']:.2f} | {l['prefill_floor_ms']:.2f} | "
                   f"{l['prefill_ms'] / l['prefill_floor_ms']:.2f} |")
-        for name, times in (r.get("pdl") or {}).items():
-            if not isinstance(times, list):
-                print(f"PDL {name}: {times}")
-                continue
-            floors = [l["decode_floor_ms"] for l in r["layers"]]
-            print(f"PDL {name}: per-layer decode ms " + ", ".join(
-                f"{t:.4f} ({t / f:.2f}x)" for t, f in zip(times, floors)))
         for d in r.get("decode", []):
             print(f"decode batch {d['batch']}: {d['step_ms']:.3f} ms/step, {d['tokens_per_s']:.0f} tok/s "
                   f"({d['graph_steps']}/{d['steps']} steps in CUDA graphs)")
@@ -342,10 +297,6 @@ def main() -> None:
                          "FP8 q/k/v GEMM (a what-if: the shipped recipes keep it BF16, which "
                          "the engine now computes inside qk_prep)")
     ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
-    ap.add_argument("--pdl-variants", default="",
-                    help=f"also time the per-layer decode graphs under these of {list(PDL_VARIANTS)}")
-    ap.add_argument("--skip-throughput", action="store_true",
-                    help="skip the whole-model decode (Engine.step) at batch 1 and 64")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     torch.manual_seed(0)

@@ -18,7 +18,6 @@ import triton.language as tl
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
                                softmax_step, store_output)
 from ._common import FP8_DTYPE, TL_DTYPES, is_fp8, next_pow2, sm_count
-from ._pdl import pdl_args, pdl_wait
 from .tuning import tuned_decode
 
 # Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
@@ -40,9 +39,8 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
-                         DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                         DOT_PREC: tl.constexpr):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pdl_wait(PDL)  # see _pdl.py
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -99,9 +97,8 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
                            HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                            D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                            NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                           ACT: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr):
+                           ACT: tl.constexpr, OUT_FP8: tl.constexpr):
     b, h = tl.program_id(0), tl.program_id(1)
-    pdl_wait(PDL)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     s = tl.arange(0, BLOCK_S)
@@ -161,11 +158,11 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
         LOG2E / d**0.5, HQ=hq, HKV=hkv, G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=splits, IS_FP8=is_fp8(k_cache.dtype),
         DOT_PREC=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=stages, **pdl_args(q.device))
+        num_warps=cfg["num_warps"], num_stages=stages)
     out = q.new_empty(b, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
     _decode_combine_kernel[(b, hkv)](
         part_o, part_m, part_l, gate, out, gate if out_scale is None else out_scale, HQ=hq,
         HKV=hkv, G=g, D=d, BLOCK_G=next_pow2(g), BLOCK_D=block_d, NUM_SPLITS=splits,
         BLOCK_S=next_pow2(splits), ACT=TL_DTYPES[q.dtype], OUT_FP8=out_scale is not None,
-        num_warps=4, **pdl_args(q.device))
+        num_warps=4)
     return out

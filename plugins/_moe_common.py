@@ -30,7 +30,6 @@ import triton.language as tl
 from ._checks import ACT_DTYPES, _expect, check_tensor
 from ._common import TL_DTYPES  # noqa: F401  (re-exported)
 from ._gemm import round_to
-from ._pdl import pdl_args, pdl_wait
 from .registry import PluginError
 
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
@@ -254,9 +253,8 @@ def block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel, DIRECT: tl.c
 
 # ---------------------------------------------------------------------------- combine
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pdl_wait(PDL)  # see _pdl.py
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -276,7 +274,7 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, t: int) -> torch.Tensor
         block_h = min(1024, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_weights.contiguous(), out, h,
                                                      topk_weights.shape[1], BLOCK_H=block_h,
-                                                     num_warps=4, **pdl_args(y.device))
+                                                     num_warps=4)
     return out
 
 

@@ -24,7 +24,6 @@ from beam_trtllm.reference import residual_add, rms_norm
 
 from ._common import FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor
 from ._fp8_act import fp8_codes
-from ._pdl import pdl_args, pdl_wait
 from .registry import dispatch, register
 from .rmsnorm import row_launch_params
 
@@ -41,13 +40,12 @@ def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
 def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_ptr, qs_ptr, T,
                         stride_h, stride_y, stride_ho, stride_x, stride_q, H, a, b, eps,
                         ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-                        QUANT: tl.constexpr, PDL: tl.constexpr):
+                        QUANT: tl.constexpr):
     # Persistent over tiles of ROWS rows, like beam::rmsnorm's kernel. QUANT: also the FP8
     # codes of the rounded x with the static scale at qs_ptr (beam::add_rmsnorm_fp8).
     cols = tl.arange(0, BLOCK_H)[None, :]
     w_post = tl.load(wpost_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     w_pre = tl.load(wpre_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    pdl_wait(PDL)  # the weights are static: loaded before the previous kernel ends (_pdl.py)
     dtype = hout_ptr.dtype.element_ty
     for tile in tl.range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0),
                          num_stages=STAGES):
@@ -79,8 +77,7 @@ def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
         quant = (x, w_pre, 0) if q is None else (q, x_scale, q.stride(0))  # unread if None
         _add_rmsnorm_kernel[(grid,)](
             h, y, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(0),
-            h_new.stride(0), x.stride(0), quant[2], hidden, a, b, eps, QUANT=q is not None, **p,
-            **pdl_args(h.device))
+            h_new.stride(0), x.stride(0), quant[2], hidden, a, b, eps, QUANT=q is not None, **p)
     return h_new, x, q
 
 

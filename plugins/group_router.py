@@ -28,7 +28,6 @@ import triton.language as tl
 from beam_trtllm.reference import route
 
 from ._common import FLOAT_DTYPES, check, check_tensor, next_pow2, rows_times_weights
-from ._pdl import pdl_args, pdl_wait, prefetch_rows
 from .registry import dispatch, register
 
 OP = "group_router"
@@ -48,19 +47,14 @@ def ref_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, BLOCK_T: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
-                          USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-                          PREFETCH: tl.constexpr):
+                          USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
     """Partial logits [SPLIT, T, E]: split s sums channels [s*per, (s+1)*per) (split-K spreads a
-    batch-1 GEMV over more SMs; the selection kernel adds the splits in a fixed order).
-    PREFETCH (a few tokens): the program's weight slice goes to L2 before the wait (_pdl.py)."""
+    batch-1 GEMV over more SMs; the selection kernel adds the splits in a fixed order)."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(2)
     per = tl.cdiv(tl.cdiv(H, SPLIT), BLOCK_H) * BLOCK_H
     h_hi = tl.minimum(split * per + per, H)
-    if PREFETCH:
-        prefetch_rows(w_ptr + split * per, e, e < E, H, h_hi - split * per, LINES=8)
-    pdl_wait(PDL)
     acc = rows_times_weights(x_ptr, stride_x, w_ptr, H, t, e, split * per, h_hi, T, E, BLOCK_T,
                              BLOCK_E, BLOCK_H, USE_DOT, DOT_PREC)
     out = out_ptr + split.to(tl.int64) * T * E
@@ -73,9 +67,8 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, spl
                           E: tl.constexpr, NG: tl.constexpr, EPG: tl.constexpr,
                           TOPK_GROUP: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
                           SPLIT: tl.constexpr, NG_P2: tl.constexpr, EPG_P2: tl.constexpr,
-                          K_P2: tl.constexpr, PDL: tl.constexpr):
+                          K_P2: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    pdl_wait(PDL)  # see _pdl.py
     g = tl.arange(0, NG_P2)
     j = tl.arange(0, EPG_P2)[None, :]
     valid = (g[:, None] < NG) & (j < EPG)
@@ -140,15 +133,12 @@ def _launch_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
     p = logits_launch_params(t)
     logits = x.new_empty(p["SPLIT"], t, e, dtype=torch.float32)
     grid = (triton.cdiv(e, p["BLOCK_E"]), triton.cdiv(t, p["BLOCK_T"]), p["SPLIT"])
-    pdl = pdl_args(x.device, gemm=True, prefetch=True)
-    pdl["PREFETCH"] &= not p["USE_DOT"]
-    _router_logits_kernel[grid](x, weight, logits, t, e, h, x.stride(0), **p, **pdl)
+    _router_logits_kernel[grid](x, weight, logits, t, e, h, x.stride(0), **p)
     epg = e // n_group
     _router_select_kernel[(t,)](
         logits, bias, ids, weights, routed_scaling_factor, t * e, E=e, NG=n_group, EPG=epg,
         TOPK_GROUP=topk_group, K=k, RENORM=renormalize, SPLIT=p["SPLIT"], NG_P2=next_pow2(n_group),
-        EPG_P2=next_pow2(epg), K_P2=next_pow2(k), num_warps=1 if e <= 256 else 4,
-        **pdl_args(x.device))
+        EPG_P2=next_pow2(epg), K_P2=next_pow2(k), num_warps=1 if e <= 256 else 4)
     return ids, weights
 
 

@@ -32,7 +32,6 @@ from ._checks import (ACT_DTYPES, _expect, check_device, check_linear_x, check_o
                       check_tensor)
 from ._fp8_act import quant_fp8_per_tensor
 from ._gemm import fp8_gemm_loop, round_to, tile_of, unswap
-from ._pdl import pdl_args, pdl_wait, prefetch_rows
 from ._tiles import linear_config
 from .registry import dispatch, register
 from .tuning import tuned_linear
@@ -82,19 +81,14 @@ def _(x, weight, weight_scale, input_scale, out_dtype=None):
 @triton.jit
 def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                        stride_ws, stride_ym, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # FP8 x FP8 products, promoted to FP32 every BLOCK_K (Hopper's FP8 MMA accumulates with
     # reduced precision), then * input_scale * weight_scale[n] (stride_ws = 0 broadcasts a
-    # per-tensor weight scale). PREFETCH (decode, one row block): this program's weight rows
-    # go to L2 while the kernels before it still run (see _pdl.py).
+    # per-tensor weight scale).
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    if PREFETCH:
-        prefetch_rows(w_ptr, offs_n, n_mask, stride_wn, K, LINES=8)
-    pdl_wait(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
@@ -148,13 +142,11 @@ def linear_fp8_triton(x, weight, weight_scale, input_scale, out_dtype=None, use_
         cfg = config or tuned_linear(OP, m, n, k) or linear_config(m, 1)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         stride_ws = 0 if weight_scale.dim() == 0 else 1
-        pdl = pdl_args(x.device, gemm=True, prefetch=True)
-        pdl["PREFETCH"] &= m <= cfg.block_m
         _linear_fp8_kernel[grid](
             xq, input_scale, weight, weight_scale, y, m, n, k, xq.stride(0), weight.stride(0),
             stride_ws, y.stride(0), SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl,
+            num_stages=cfg.num_stages,
         )
     return y.reshape(*x.shape[:-1], n)
 

@@ -20,7 +20,6 @@ from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 
 from ._checks import _expect, check_device, check_linear_x, check_tensor
 from ._gemm import acc_zeros, dot_precision, mma, round_to, tile_of, unswap
-from ._pdl import pdl_args, pdl_wait, prefetch_rows
 from .moe_nvfp4 import use_asm
 from ._tiles import linear_config, nvfp4_tile
 from .registry import dispatch, register
@@ -63,17 +62,12 @@ def _(x, weight, weight_scale, weight_scale_2):
 def _linear_nvfp4_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                          stride_sn, stride_ym, SWAP: tl.constexpr, ASM: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr):
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # w_ptr: the packed weight read as int32 words (8 codes each), stride_wn in words.
-    # PREFETCH: as beam::linear_fp8's kernel (_pdl.py).
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    if PREFETCH:
-        prefetch_rows(w_ptr, offs_n, n_mask, stride_wn, K // 8, LINES=8)
-    pdl_wait(PDL)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kw = tl.arange(0, BLOCK_K // 8)
     offs_ks = tl.arange(0, BLOCK_K // 16)
@@ -113,13 +107,11 @@ def linear_nvfp4_triton(x, weight, weight_scale, weight_scale_2, config=None):
         cfg = config or tuned_linear(OP, m, n, k, x.dtype) or linear_config(m, 0.5)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         words = weight.view(torch.int32)
-        pdl = pdl_args(x.device, gemm=True, prefetch=True)
-        pdl["PREFETCH"] &= m <= cfg.block_m
         _linear_nvfp4_kernel[grid](
             x2, words, weight_scale, weight_scale_2, y, m, n, k, x2.stride(0), words.stride(0),
             weight_scale.stride(0), y.stride(0), SWAP=cfg.swap, ASM=use_asm(x.dtype),
             PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl,
+            num_stages=cfg.num_stages,
         )
     return y.reshape(*x.shape[:-1], n)

@@ -36,7 +36,6 @@ from ._common import e4m3_grid
 from ._fp8_act import quant_fp8_per_tensor
 from ._checks import ACT_DTYPES, check_device, check_out_dtype
 from ._gemm import fp8_gemm_loop, round_to, silu_mul, tile_of, unswap
-from ._pdl import pdl_args, pdl_wait
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
     check_ids_in_range, check_routing, check_tensor, combine, configs_for, plan_routing, ref_moe,
@@ -106,12 +105,11 @@ def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
                     numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
                     stride_om, ACT: tl.constexpr, GATED: tl.constexpr, DIRECT: tl.constexpr,
                     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # FP8 x FP8 on the tensor cores, promoted to FP32 every BLOCK_K, then * a_scale * w_scale[n].
     # GATED: h = silu(gate) * up (rounded to ACT as the reference), stored as FP8 codes of
     # h / out_scale (the down projection's static input scale). Else y[slot] in out's dtype.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    pdl_wait(PDL)  # see _pdl.py
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -147,7 +145,7 @@ def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, 
         routing.m_blocks, n, k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0),
         out.stride(0), ACT=TL_DTYPES[act], GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(a.device, gemm=True),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

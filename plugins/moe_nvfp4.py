@@ -29,7 +29,6 @@ from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 
 from ._checks import _expect, check_device
 from ._gemm import acc_zeros, dot_precision, mma, round_to, silu_mul, tile_of, unswap
-from ._pdl import pdl_args, pdl_wait
 from ._moe_common import (
     DIRECT_MAX_PAIRS, GemmConfig, Routing, block_rows, check_expert_weights, check_ids_in_range,
     check_routing, check_tensor, combine, configs_for, fake_moe, plan_routing, ref_moe,
@@ -93,12 +92,11 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
                       stride_sn, stride_om, GATED: tl.constexpr, DIRECT: tl.constexpr,
                       SWAP: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, PDL: tl.constexpr):
+                      GROUP_M: tl.constexpr):
     # As moe_bf16's kernel, with each weight tile decoded from NVFP4 on the fly (W4A16; w_ptr is
     # read as int32 words, strides in words) and 2^8 * the expert's global scale applied to the
     # FP32 accumulators.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    pdl_wait(PDL)  # see _pdl.py
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
             return
@@ -168,7 +166,7 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
         GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap, ASM=use_asm(a.dtype),
         PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_args(a.device, gemm=True),
+        num_stages=cfg.num_stages,
     )
 
 

@@ -18,7 +18,6 @@ from beam_trtllm.reference import rms_norm
 
 from ._common import FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2, sm_count
 from ._fp8_act import fp8_codes
-from ._pdl import pdl_args, pdl_wait
 from .registry import dispatch, register
 
 OP = "rmsnorm"
@@ -32,14 +31,13 @@ def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, T, stride_x, stride_y, stride_q, H, eps,
                     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-                    QUANT: tl.constexpr, PDL: tl.constexpr):
+                    QUANT: tl.constexpr):
     # Whole rows stay in registers (H <= 16K), so x is read once. A program loops over tiles of
     # ROWS rows (persistent grid): w is read once per program and, with STAGES > 1, the next
     # tiles' loads are in flight while this one is reduced and stored. QUANT: also the FP8
     # codes of the rounded y with the static scale at qs_ptr (beam::rmsnorm_fp8).
     cols = tl.arange(0, BLOCK_H)[None, :]
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    pdl_wait(PDL)  # w is static: loaded before the previous kernel ends (_pdl.py)
     for tile in tl.range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0),
                          num_stages=STAGES):
         rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
@@ -87,8 +85,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
         grid, p = row_launch_params(t, h, x.device, q is not None)
         quant = (y, weight, 0) if q is None else (q, x_scale, q.stride(0))  # unread if None
         _rmsnorm_kernel[(grid,)](x, weight, y, quant[0], quant[1], t, x.stride(0), y.stride(0),
-                                 quant[2], h, eps, QUANT=q is not None, **p,
-                                 **pdl_args(x.device))
+                                 quant[2], h, eps, QUANT=q is not None, **p)
     return y, q
 
 
