@@ -46,4 +46,6 @@ def test_decode_step_replays_in_a_cuda_graph(window):
         graph.replay()
         eager = _decode_ops(case, router, norm)
         for got, want in zip(captured, eager):
-            assert torch.equal(got, want)
+            # bitwise: with window 64 these starts read ring slots the case never wrote
+            # (kernel_cases fills them with NaN), so some outputs are NaN, as in the reference
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

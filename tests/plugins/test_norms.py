@@ -13,7 +13,7 @@ from beam_trtllm.quant_formats import quantize_fp8_activation
 from beam_trtllm.reference import BeamDecoderLayer
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE
-from plugins.add_rmsnorm import ref_add_rmsnorm
+from plugins.add_rmsnorm import CHUNKED, ref_add_rmsnorm
 from plugins.rmsnorm import ROW_CONFIG, ref_rmsnorm
 
 TINY = PRESETS["tiny"]
@@ -49,6 +49,18 @@ def _rows(t, h, dtype, seed, scale=1.0):
 ROWS = [pytest.param(1, id="rows1"), pytest.param(4, id="rows4")]
 
 
+def _use_kernel(monkeypatch, rows, key="few"):
+    """rows: ROWS per tile of the whole-row kernel, or "chunked": add_rmsnorm's chunked
+    prefill kernel at any row count, in 64-wide chunks (H = 200 and 1000 end in a partial one,
+    H = 64 is a single chunk)."""
+    if rows == "chunked":
+        monkeypatch.setitem(CHUNKED, "min_rows", 1)
+        monkeypatch.setitem(CHUNKED, "CHUNK", 64)
+    else:
+        monkeypatch.setitem(CHUNKED, "min_rows", 1 << 62)
+        monkeypatch.setitem(ROW_CONFIG, key, dict(ROW_CONFIG[key], ROWS=rows, programs_per_sm=1))
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,11 +76,11 @@ def test_rmsnorm_kernel_matches_reference(t, h, dtype, rows, monkeypatch):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", ROWS + [pytest.param("chunked", id="chunked")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,h,sublayer", [(1, 64, 0), (13, 200, 5), (5, 1000, 103)])
 def test_add_rmsnorm_kernel_matches_reference(t, h, sublayer, dtype, rows, monkeypatch):
-    monkeypatch.setitem(ROW_CONFIG, "few", dict(ROW_CONFIG["few"], ROWS=rows, programs_per_sm=1))
+    _use_kernel(monkeypatch, rows)
     hs, y = _rows(t, h, dtype, 9), _rows(t, h, dtype, 10, scale=5.0)
     w_post = (1.0 + 0.1 * _rows(1, h, torch.float32, 11)[0]).to(dtype)
     w_pre = (1.0 + 0.1 * _rows(1, h, torch.float32, 12)[0]).to(dtype)
@@ -106,13 +118,13 @@ def test_fp8_norm_ops_are_the_norms_plus_the_activation_quantizer():
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("rows", [4, "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,h", [(1, 64), (13, 200), (5, 1000)])
-def test_fp8_norm_kernels_match_reference(t, h, dtype, monkeypatch):
+def test_fp8_norm_kernels_match_reference(t, h, dtype, rows, monkeypatch):
     """The kernels' x / h' as the plain kernels' (tolerances above); their FP8 codes are exactly
     the quantizer's of the x they return (same rounding, saturation, -0.0)."""
-    monkeypatch.setitem(ROW_CONFIG, "few_fp8",
-                        dict(ROW_CONFIG["few_fp8"], ROWS=4, programs_per_sm=1))
+    _use_kernel(monkeypatch, rows, "few_fp8")
     hs, y = _rows(t, h, dtype, 16), _rows(t, h, dtype, 17, scale=5.0)
     w_post = (1.0 + 0.1 * _rows(1, h, torch.float32, 18)[0]).to(dtype)
     w_pre = (1.0 + 0.1 * _rows(1, h, torch.float32, 19)[0]).to(dtype)

@@ -53,6 +53,9 @@ def _fp8_norms():
     x, w, s = torch.randn(2, H, dtype=BF16), torch.ones(H, dtype=BF16), torch.ones(())
     _launch_rmsnorm_fp8(x, w, s, 1e-6)
     _launch_add_rmsnorm_fp8(x, x, w, w, s, 0.9, 0.4, 1e-6)
+    prefill = torch.zeros(1024, H, dtype=BF16)  # add_rmsnorm's chunked kernel
+    _launch_add_rmsnorm_fp8(prefill, prefill, w, w, s, 0.9, 0.4, 1e-6)
+    _launch_add_rmsnorm(prefill, prefill, w, w, 0.9, 0.4, 1e-6)
 
 
 def _fp8_gemms_decode():
