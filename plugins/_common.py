@@ -142,8 +142,10 @@ def bf16_grid(x):
 
 @triton.jit
 def e4m3_grid(x):
-    """FP32 x saturated to ±448 and rounded to nearest-even float8_e4m3fn, as an exact FP32."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    """FP32 x saturated to ±448 and rounded to nearest-even float8_e4m3fn, as an exact FP32
+    (NaN stays NaN, as torch's cast keeps it; plain min / max would turn it into a bound)."""
+    x = tl.maximum(x, -448.0, propagate_nan=tl.PropagateNan.ALL)
+    x = tl.minimum(x, 448.0, propagate_nan=tl.PropagateNan.ALL)
     bits = x.to(tl.uint32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
     ulp_exp = tl.maximum(exponent, -6) - 3  # 3 mantissa bits; below 2^-6 the spacing is 2^-9

@@ -142,3 +142,21 @@ def test_fp8_norm_kernels_match_reference(t, h, dtype, rows, monkeypatch):
         hs.to(dev), w_pre.to(dev), scale.to(dev), EPS))
     torch.testing.assert_close(got_y, ref_rmsnorm(hs, w_pre, EPS), **tol(one, dtype))
     assert torch.equal(_codes(got_q), _codes(quantize_fp8_activation(got_y, scale)))
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's own FP32 -> FP8 "
+                    "cast turns NaN into 0x7C; compiled kernels use the GPU's cvt")
+def test_fp8_quantizer_keeps_nan_and_saturates_inf_like_torch():
+    """The FP8 activation codes of NaN, ±inf, out-of-range and tiny values are torch's: NaN stays
+    NaN (a min / max clamp without NaN propagation would make it ±448), ±inf saturate."""
+    from plugins._fp8_act import quant_fp8_per_tensor
+
+    special = [float("nan"), -float("nan"), float("inf"), -float("inf"), 1e4, -1e4, 1e-9, -1e-9]
+    x = torch.tensor(special + [0.5] * 8, dtype=torch.bfloat16, device="cuda")[None]
+    scale = torch.tensor(2.0, device="cuda")
+    got = quant_fp8_per_tensor(x, scale).cpu()
+    want = quantize_fp8_activation(x.cpu(), scale.cpu())
+    is_nan = torch.tensor([v != v for v in special] + [False] * 8)[None]
+    assert torch.equal(_codes(got)[~is_nan], _codes(want)[~is_nan])
+    assert ((_codes(got)[is_nan] & 0x7F) == 0x7F).all()  # E4M3's NaN; its sign bit is free
