@@ -3,12 +3,10 @@
 At batch 1 a full layer has only Hkv = 8 (sequence, KV head) pairs: one program each would
 use 8 of the H200's 132 SMs. The cached keys of each pair are cut into NUM_SPLITS contiguous
 ranges, each program folds one range into a partial (max, sum, output) for the G query heads
-of its KV head (G rows of one tensor-core tile, so K/V are read once per group). The last
-program of a pair to finish (an arrival counter per pair, reset by that program) merges the
-partials, applies the gate and writes the output (or, given the o_proj's input scale, its FP8
-codes): one launch instead of a split kernel and a combine kernel, 4 us less per layer in
-batch-1 decode. NUM_SPLITS comes from shapes only (batch, heads, the cache's addressable
-length), so the launch is CUDA-graph safe.
+of its KV head (G rows of one tensor-core tile, so K/V are read once per group), and a second
+kernel merges the partials, applies the gate and writes the output (or, given the o_proj's
+input scale, its FP8 codes). NUM_SPLITS comes from
+shapes only (batch, heads, the cache's addressable length), so the launch is CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import triton.language as tl
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
                                softmax_step, store_output)
 from ._common import FP8_DTYPE, TL_DTYPES, is_fp8, next_pow2, sm_count
-from .registry import PluginError
 from .tuning import tuned_decode
 
 # Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
@@ -36,15 +33,13 @@ DECODE_CONFIG = dict(BLOCK_N=128, BLOCK_N_SHORT=64, short_capacity=2048, num_war
 
 @triton.jit
 def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, hist_ptr, index_ptr,
-                         ks_ptr, vs_ptr, part_o_ptr, part_m_ptr, part_l_ptr, count_ptr, gate_ptr,
-                         out_ptr, out_scale_ptr,
+                         ks_ptr, vs_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
                          stride_kn, stride_knh, stride_vn, stride_vnh, M, block_size, stride_blk,
                          stride_row, stride_head, window, qk_scale,
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
-                         DOT_PREC: tl.constexpr, BLOCK_S: tl.constexpr, ACT: tl.constexpr,
-                         OUT_FP8: tl.constexpr):
+                         DOT_PREC: tl.constexpr):
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, BLOCK_G)
@@ -95,32 +90,23 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
     tl.store(part_o_ptr + (part + g[:, None]) * D + d[None, :], acc, mask=gd_mask)
     tl.store(part_m_ptr + part + g, m_i, mask=g < G)
     tl.store(part_l_ptr + part + g, l_i, mask=g < G)
-    # Every thread's partial stores come before the release of the arrival count; the program
-    # that arrives last acquires them all, merges, and resets the count for the next launch.
-    tl.debug_barrier()
-    pair = b * HKV + h
-    if tl.atomic_add(count_ptr + pair, 1, sem="acq_rel") == NUM_SPLITS - 1:
-        _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr, b, h,
-                      HQ, HKV, G, D, BLOCK_G, BLOCK_D, NUM_SPLITS, BLOCK_S, ACT, OUT_FP8)
-        tl.atomic_xchg(count_ptr + pair, 0, sem="relaxed")
 
 
 @triton.jit
-def _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr, b, h,
-                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  BLOCK_S: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr):
-    """Merge the (max, sum, output) partials of pair (b, h), apply the gate and store. The
-    partials come from other SMs: loaded through L2 (.cg), past this SM's L1."""
+def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr,
+                           HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                           D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                           ACT: tl.constexpr, OUT_FP8: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     s = tl.arange(0, BLOCK_S)
     base = ((b * HKV + h) * NUM_SPLITS).to(tl.int64) * G
     sg_mask = (s[:, None] < NUM_SPLITS) & (g[None, :] < G)
     m = tl.load(part_m_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask,
-                other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_l_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask, other=0.0,
-                cache_modifier=".cg")
+                other=float("-inf"))
+    l = tl.load(part_l_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask, other=0.0)
     m_max = tl.max(m, axis=0)  # finite for real heads: the last split holds the step's own key
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padded head rows
     weight = tl.exp2(m - m_max[None, :])  # [BLOCK_S, BLOCK_G], 0 for empty splits
@@ -130,7 +116,7 @@ def _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_sca
     for i in tl.static_range(NUM_SPLITS):  # unrolled: every split's load is in flight at once
         w_i = tl.sum(tl.where(s[:, None] == i, weight, 0.0), axis=0)
         o_i = tl.load(part_o_ptr + (base + i * G + g[:, None]) * D + d[None, :], mask=gd_mask,
-                      other=0.0, cache_modifier=".cg")
+                      other=0.0)
         acc += w_i[:, None] * o_i
     heads = h * G + g
     gate = tl.load(gate_ptr + b * HQ + heads, mask=g < G, other=0.0)
@@ -164,33 +150,19 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
     part_o = q.new_empty(b, hkv, splits, g, d, dtype=torch.float32)
     part_m = q.new_empty(b, hkv, splits, g, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    out = q.new_empty(b, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
     block_g, block_d = max(16, next_pow2(g)), max(16, next_pow2(d))
     _decode_split_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, q_start, hist_start, cache_index, k_scale, v_scale,
-        part_o, part_m, part_l, arrival_counts(q.device, b * hkv), gate, out,
-        gate if out_scale is None else out_scale,
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        part_o, part_m, part_l, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         m, block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window,
         LOG2E / d**0.5, HQ=hq, HKV=hkv, G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=splits, IS_FP8=is_fp8(k_cache.dtype),
-        DOT_PREC=dot_precision(q.dtype), BLOCK_S=next_pow2(splits), ACT=TL_DTYPES[q.dtype],
-        OUT_FP8=out_scale is not None, num_warps=cfg["num_warps"], num_stages=stages)
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=stages)
+    out = q.new_empty(b, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
+    _decode_combine_kernel[(b, hkv)](
+        part_o, part_m, part_l, gate, out, gate if out_scale is None else out_scale, HQ=hq,
+        HKV=hkv, G=g, D=d, BLOCK_G=next_pow2(g), BLOCK_D=block_d, NUM_SPLITS=splits,
+        BLOCK_S=next_pow2(splits), ACT=TL_DTYPES[q.dtype], OUT_FP8=out_scale is not None,
+        num_warps=4)
     return out
-
-
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 arrival counters of the split kernel (one per (sequence, KV head) pair);
-    the kernel leaves them zeroed. One buffer per device, allocated before any CUDA-graph
-    capture (a graph's first eager warm-up step does it) and grown outside captures only."""
-    have = _COUNTS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise PluginError(f"beam::attention: decode needs {n} arrival counters on {device} "
-                              "but a CUDA graph is being captured: run one eager decode step of "
-                              "this batch size before capturing")
-        _COUNTS[device] = have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have

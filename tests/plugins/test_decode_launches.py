@@ -9,8 +9,7 @@ MoE's decode paths (few tokens). Every launch decision in the ops depends on sha
 except linear_fp8's cuBLAS-or-Triton choice, which the test asks for CUDA explicitly. The
 target (issue 5): <= 13 kernels per MoE layer; the H200 profiler counted 18 (FP8) and 17
 (NVFP4) before the gate, the q/k/v quantizer and the o_proj quantizer were fused, 13 and 12
-after (2026-11-29), before the experts' quantizer moved into the boundary's add_rmsnorm_fp8;
-the attention's merge of its splits moved into the split kernel next (11)."""
+after (2026-11-29), before the experts' quantizer moved into the boundary's add_rmsnorm_fp8."""
 
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ CFG = BeamConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_int
 
 ATTENTION = ["_linear_fp8_kernel",  # q/k/v, on FP8 codes from the previous boundary
              "_qk_prep_kernel",  # + the BF16 gate GEMM
-             "_decode_split_kernel",  # its last program per head merges and writes FP8 codes
+             "_decode_split_kernel", "_decode_combine_kernel",  # the combine writes FP8 codes
              "_linear_fp8_kernel",  # o_proj
              "_add_rmsnorm_kernel", "_router_logits_kernel", "_router_select_kernel"]
 BOUNDARY = ["_add_rmsnorm_kernel"]  # -> the next layer's input (and its FP8 codes)
