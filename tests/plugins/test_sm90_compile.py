@@ -72,6 +72,16 @@ def _fp8_gemms_decode():
                    torch.zeros(e, H, inner, dtype=FP8), torch.ones(e, H), one, one)
 
 
+def _moe_fp8_prefill():
+    """The sorted-rows path at 128 rows per expert (prefill launch shapes: 8-warp swapped
+    gate/up, 4-warp down; 255 registers each, no spill)."""
+    t, e, inner, one = 128, 8, BEAM.moe_intermediate_size, torch.ones(())
+    moe_fp8_triton(torch.zeros(t, H, dtype=FP8), torch.arange(8, dtype=torch.int32).repeat(t, 1),
+                   torch.rand(t, 8), torch.zeros(e, 2 * inner, H, dtype=FP8),
+                   torch.ones(e, 2 * inner), torch.zeros(e, H, inner, dtype=FP8),
+                   torch.ones(e, H), one, one, BF16)
+
+
 def _misc():
     x = torch.randn(2, H, dtype=BF16)
     w = torch.ones(H, dtype=BF16)
@@ -98,6 +108,7 @@ BUILDS = {
     "qk_prep-full-gate-from-x": lambda: _qk_prep(FP8, True, 1, gate_from_x=True),
     "norms-fp8-out": _fp8_norms,
     "fp8-gemms-decode": _fp8_gemms_decode,
+    "moe-fp8-prefill": _moe_fp8_prefill,
 }
 
 
