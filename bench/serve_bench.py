@@ -230,9 +230,9 @@ def main() -> None:
     import torch
 
     from beam_trtllm.tokenizer import TextTokenizer
-    from dynamo_graphs.launch import stop_on_sigterm
+    from dynamo_graphs.launch import stop_on_signals
 
-    stop_on_sigterm()  # stop the graphs on `kill`, too
+    stop_on_signals()  # stop the graphs on `kill`, too
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every worker
     torch.set_num_threads(args.threads)
 

@@ -88,15 +88,27 @@ def main(argv=None) -> int:
             print("demo: empty answer", file=sys.stderr)
             return 1
     finally:
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C does in a terminal
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = -9
+        code = stop_serve(proc, tail)
     print(f"demo: serve stopped on Ctrl-C with exit code {code}")
     return 0 if code == 0 else 1
 
+
+def stop_serve(proc: subprocess.Popen, tail: deque, wait_s: float = 60) -> int:
+    """Ctrl-C (SIGINT) as a user would -> serve's exit code. A serve still running after
+    `wait_s` is a failure (-1): its last output is shown, then SIGTERM (or SIGKILL) ends it."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        print(f"demo: serve still running {wait_s:.0f} s after SIGINT; its last output:\n"
+              + "\n".join(list(tail)[-20:]), file=sys.stderr)
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return -1
 
 if __name__ == "__main__":
     sys.exit(main())

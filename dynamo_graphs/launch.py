@@ -248,8 +248,11 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM (systemd, kubectl, kill) stops the graph like Ctrl-C (main thread only)."""
+def stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM (systemd, kubectl, kill) stop the graph (main thread only).
+    SIGINT is set explicitly: a process started as a background job of a non-interactive shell
+    inherits it ignored, and then `kill -INT` (or a demo's Ctrl-C) would never stop the graph."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
 
 
@@ -302,7 +305,7 @@ def launch(graph: Graph, run_dir: str | Path | None = None, echo: TextIO | None 
 def serve_forever(running: RunningGraph, poll_s: float = 0.5) -> int:
     """Block until Ctrl-C or SIGTERM (exit 0) or until a component dies (LaunchError);
     always stop all."""
-    stop_on_sigterm()
+    stop_on_signals()
     try:
         while True:
             running.check_alive()

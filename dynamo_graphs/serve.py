@@ -10,7 +10,7 @@ import yaml
 from beam_trtllm.config import BeamConfig, ConfigError, preset
 
 from .graph import GraphError, load_graph
-from .launch import launch, serve_forever, stop_on_sigterm
+from .launch import launch, serve_forever, stop_on_signals
 
 
 def serve(graph_file: Path, engine_dir: Path | None, port: int | None,
@@ -27,7 +27,7 @@ def serve(graph_file: Path, engine_dir: Path | None, port: int | None,
 
     n = sum(w.count for w in graph.workers)
     progress(f"starting {graph.name}: frontend + {n} worker(s) serving {graph.engine_dir}")
-    stop_on_sigterm()  # also while starting
+    stop_on_signals()  # also while starting
     running = launch(graph, run_dir, echo=sys.stdout, progress=progress)
     print(f"[serve] {graph.name} ready: {running.url}/v1 (model {graph.served_model_name!r}); "
           f"logs in {running.run_dir / 'logs'}; Ctrl-C stops", file=sys.stderr, flush=True)

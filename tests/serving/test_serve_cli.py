@@ -3,6 +3,7 @@ everything; a component that dies stops the whole graph with an error naming it.
 
 import os
 import signal
+import subprocess
 import time
 from collections import deque
 from pathlib import Path
@@ -39,16 +40,31 @@ def _serve(tmp_path, engine_dir):
     return proc, run_dir, url, tail
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
-def test_serve_answers_and_stops_cleanly_on_ctrl_c_or_sigterm(tmp_path, engine_dir, stop):
-    proc, run_dir, url, tail = _serve(tmp_path, engine_dir)
+@pytest.mark.parametrize("stop,background", [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                             (signal.SIGINT, True)],
+                         ids=["sigint", "sigterm", "sigint-background-job"])
+def test_serve_answers_and_stops_cleanly_on_ctrl_c_or_sigterm(tmp_path, engine_dir, stop,
+                                                              background):
+    """background: serve inherits SIGINT ignored, as a background job of a non-interactive
+    shell does (`make demo &` in a script); `kill -INT` must stop it all the same."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if background else None
+    try:
+        proc, run_dir, url, tail = _serve(tmp_path, engine_dir)
+    finally:
+        if background:
+            signal.signal(signal.SIGINT, old)
     try:
         assert chat(url, "hello", 6)
         assert any(line.startswith("[frontend] ") for line in tail)
         assert any(line.startswith("[backend-0] ") for line in tail)
     finally:
         proc.send_signal(stop)
-        code = proc.wait(timeout=60)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # did not stop: end it, leave no graph behind
+            proc.terminate()
+            proc.wait(timeout=30)
+            raise
     assert code == 0
     assert _graph_processes(run_dir) == []
 
