@@ -234,6 +234,31 @@ def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, direct:
 
 # ---------------------------------------------------------------------------- row blocks
 @triton.jit
+def past_last_row(pid_m, num_rows_ptr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Whether row block pid_m is beyond the rows the token sort filled (its program exits);
+    never in direct mode (one pair per block)."""
+    if DIRECT:
+        past = False
+    else:
+        past = pid_m * BLOCK_M >= tl.load(num_rows_ptr)
+    return past
+
+
+@triton.jit
+def block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N,
+               GATED: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The tile of program (pid_m, pid_n) of a grouped GEMM: (expert, slot of each row, row
+    valid, row of the h buffer, activation row of each row (the token, slot // top_k, for
+    gate/up; the h row for down), output channels offs_n [BLOCK_N] and their mask < N)."""
+    expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
+                                            DIRECT, BLOCK_M)
+    a_rows = (slots // top_k) if GATED else rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, slots, valid, rows, a_rows, offs_n, offs_n < N
+
+
+@triton.jit
 def block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel, DIRECT: tl.constexpr,
                BLOCK_M: tl.constexpr):
     """(expert int64, slot of each row, row valid, row of the h buffer) of one row block."""

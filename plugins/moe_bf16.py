@@ -24,8 +24,9 @@ import triton.language as tl
 
 from ._gemm import acc_zeros, dot_precision, mma, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_rows, check_expert_weights, check_ids_in_range,
-    check_routing, combine, configs_for, fake_moe, plan_routing, ref_moe, routing_ptrs,
+    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_tile, check_expert_weights, check_ids_in_range,
+    check_routing, combine, configs_for, fake_moe, past_last_row, plan_routing, ref_moe,
+    routing_ptrs,
 )
 from .registry import dispatch, register
 
@@ -61,14 +62,11 @@ def _moe_bf16_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, sorted_ptr, block_expert_pt
     # GATED: h[row] = silu(a @ gate^T) * (a @ up^T), a = x[slot // k], gate/up rows n and N + n.
     # else:  y[slot] = h[row] @ down^T.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if not DIRECT:
-        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-            return
-    expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
-                                            DIRECT, BLOCK_M)
-    a_rows = (slots // top_k) if GATED else rows
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
+        return
+    expert, slots, valid, rows, a_rows, offs_n, n_mask = block_tile(
+        pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N, GATED, DIRECT,
+        BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]

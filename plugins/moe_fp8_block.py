@@ -34,9 +34,9 @@ from ._fp8_act import ACT_EPS, quant_block_tile, quant_fp8_per_token_block
 from ._checks import check_device
 from ._gemm import acc_zeros, mma_fp8, outer, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_rows, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe, plan_routing,
-    ref_moe, routing_ptrs,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe,
+    past_last_row, plan_routing, ref_moe, routing_ptrs,
 )
 from .registry import PluginError, dispatch, register
 
@@ -102,14 +102,12 @@ def _moe_fp8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
     # a_scale[row, g] * w_scale[n, g]. GATED: BLOCK_N = 128, so the tile holds whole 128-channel
     # groups of h and quantizes them per row in the epilogue (codes + scales for the down GEMM).
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if not DIRECT:
-        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-            return
-    expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
-                                            DIRECT, BLOCK_M)
-    a_rows = ((slots // top_k) if GATED else rows).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
+        return
+    expert, slots, valid, rows, a_rows, offs_n, n_mask = block_tile(
+        pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N, GATED, DIRECT,
+        BLOCK_M, BLOCK_N)
+    a_rows = a_rows.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     as_ptrs = as_ptr + a_rows * stride_asm

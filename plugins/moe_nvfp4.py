@@ -30,9 +30,9 @@ from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 from ._checks import _expect, check_device
 from ._gemm import acc_zeros, dot_precision, mma, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_rows, check_expert_weights, check_ids_in_range,
-    check_routing, check_tensor, combine, configs_for, fake_moe, plan_routing, ref_moe,
-    routing_ptrs,
+    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_tile, check_expert_weights, check_ids_in_range,
+    check_routing, check_tensor, combine, configs_for, fake_moe, past_last_row, plan_routing,
+    ref_moe, routing_ptrs,
 )
 from ._tiles import nvfp4_tile
 from .registry import dispatch, register, triton_interpreted
@@ -97,15 +97,12 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
     # read as int32 words, strides in words) and 2^8 * the expert's global scale applied to the
     # FP32 accumulators.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if not DIRECT:
-        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-            return
-    expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
-                                            DIRECT, BLOCK_M)
-    a_rows = (slots // top_k) if GATED else rows
+    if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
+        return
+    expert, slots, valid, rows, a_rows, offs_n, n_mask = block_tile(
+        pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N, GATED, DIRECT,
+        BLOCK_M, BLOCK_N)
     dtype: tl.constexpr = a_ptr.dtype.element_ty
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_kw = tl.arange(0, BLOCK_K // 8)
     offs_ks = tl.arange(0, BLOCK_K // 16)
