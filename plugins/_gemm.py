@@ -110,6 +110,46 @@ def fp8_gemm_loop(a_ptrs, a_rows_ok, w_ptrs, n_mask, K, up_offset, GATED: tl.con
 
 
 @triton.jit
+def fp8_block_gemm_loop(a_ptrs, as_ptrs, a_rows_ok, w_ptrs, ws_ptrs, n_mask, K, up_offset,
+                        up_s_offset, GATED: tl.constexpr, SWAP: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop of the 128x128 block-scaled FP8 GEMMs (linear_fp8_block, moe_fp8_block):
+    BLOCK_K = 128, so each step is one scale group and its FP32 partial product is scaled by
+    a_scale[row, g] * w_scale[n, g] (as_ptrs / ws_ptrs point at group 0 of each row / output
+    channel and advance one group a step). GATED: also the weight rows `up_offset` elements
+    (scales `up_s_offset`) further into a second accumulator. -> (acc, acc_up) as
+    `fp8_gemm_loop`. The scale vectors are strided (one per row): no asynchronous copies for
+    them, so they are loaded one step ahead by hand instead of stalling every step on a load."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    a_s = tl.load(as_ptrs, mask=a_rows_ok, other=0.0)
+    w_s = tl.load(ws_ptrs, mask=n_mask, other=0.0)
+    w_su = tl.load(ws_ptrs + up_s_offset, mask=n_mask & GATED, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        more = k0 + BLOCK_K < K
+        as_ptrs += 1
+        ws_ptrs += 1
+        a_s_next = tl.load(as_ptrs, mask=a_rows_ok & more, other=0.0)
+        w_s_next = tl.load(ws_ptrs, mask=n_mask & more, other=0.0)
+        w_su_next = tl.load(ws_ptrs + up_s_offset, mask=n_mask & more & GATED, other=0.0)
+        a = tl.load(a_ptrs, mask=a_rows_ok[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        part = mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a, w, SWAP, BLOCK_K)
+        acc += part * outer(a_s, w_s, SWAP)
+        if GATED:
+            w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            part_up = mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a, w_up, SWAP, BLOCK_K)
+            acc_up += part_up * outer(a_s, w_su, SWAP)
+        a_s, w_s, w_su = a_s_next, w_s_next, w_su_next
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, acc_up
+
+
+@triton.jit
 def outer(row_scale, col_scale, SWAP: tl.constexpr):
     """row_scale [BM] x col_scale [BN] in the accumulator's orientation."""
     if SWAP:

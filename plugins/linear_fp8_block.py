@@ -23,7 +23,7 @@ from beam_trtllm.quant_formats import FP8_BLOCK, dequantize_fp8, fake_quant_fp8_
 
 from ._checks import check_device, check_linear_x, check_tensor
 from ._fp8_act import quant_fp8_per_token_block
-from ._gemm import acc_zeros, mma_fp8, outer, round_to, tile_of, unswap
+from ._gemm import fp8_block_gemm_loop, round_to, tile_of, unswap
 from ._tiles import linear_config
 from .registry import dispatch, register
 
@@ -73,23 +73,8 @@ def _linear_fp8_block_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, strid
     xs_ptrs = xs_ptr + offs_m.to(tl.int64) * stride_xsm
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     ws_ptrs = ws_ptr + (offs_n // BLOCK_K) * stride_wsn
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    # per-step scale vectors loaded one step ahead by hand (strided: no asynchronous copies)
-    xs = tl.load(xs_ptrs, mask=m_mask, other=0.0)
-    ws = tl.load(ws_ptrs, mask=n_mask, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        more = k0 + BLOCK_K < K
-        xs_ptrs += 1
-        ws_ptrs += 1
-        xs_next = tl.load(xs_ptrs, mask=m_mask & more, other=0.0)
-        ws_next = tl.load(ws_ptrs, mask=n_mask & more, other=0.0)
-        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a, w, SWAP, BLOCK_K) * outer(xs, ws, SWAP)
-        xs, ws = xs_next, ws_next
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, _ = fp8_block_gemm_loop(x_ptrs, xs_ptrs, m_mask, w_ptrs, ws_ptrs, n_mask, K, 0, 0,
+                                 False, SWAP, BLOCK_M, BLOCK_N, BLOCK_K)
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     out = round_to(unswap(acc, SWAP), dtype)

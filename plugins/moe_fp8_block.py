@@ -32,7 +32,7 @@ from beam_trtllm.quant_formats import FP8_BLOCK, fake_quant_fp8_per_token_block
 
 from ._fp8_act import ACT_EPS, quant_block_tile, quant_fp8_per_token_block
 from ._checks import check_device
-from ._gemm import acc_zeros, mma_fp8, outer, round_to, silu_mul, tile_of, unswap
+from ._gemm import fp8_block_gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
     check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe,
@@ -113,32 +113,9 @@ def _moe_fp8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
     as_ptrs = as_ptr + a_rows * stride_asm
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     ws_ptrs = ws_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    # The per-step scale vectors are strided (one per row): no asynchronous copies for them, so
-    # they are loaded one step ahead by hand instead of stalling every step on a global load.
-    a_s = tl.load(as_ptrs, mask=valid, other=0.0)
-    w_s = tl.load(ws_ptrs, mask=n_mask, other=0.0)
-    w_su = tl.load(ws_ptrs + N * stride_sn, mask=n_mask & GATED, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        more = k0 + BLOCK_K < K
-        as_ptrs += 1
-        ws_ptrs += 1
-        a_s_next = tl.load(as_ptrs, mask=valid & more, other=0.0)
-        w_s_next = tl.load(ws_ptrs, mask=n_mask & more, other=0.0)
-        w_su_next = tl.load(ws_ptrs + N * stride_sn, mask=n_mask & more & GATED, other=0.0)
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc += mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a, w, SWAP, BLOCK_K) * outer(a_s, w_s, SWAP)
-        if GATED:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            part_up = mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a, w_up, SWAP, BLOCK_K)
-            acc_up += part_up * outer(a_s, w_su, SWAP)
-        a_s, w_s, w_su = a_s_next, w_s_next, w_su_next
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, acc_up = fp8_block_gemm_loop(a_ptrs, as_ptrs, valid, w_ptrs, ws_ptrs, n_mask, K,
+                                      N * stride_wn, N * stride_sn, GATED, SWAP, BLOCK_M,
+                                      BLOCK_N, BLOCK_K)
     out_mask = valid[:, None] & n_mask[None, :]
     if GATED:
         h = silu_mul(unswap(acc, SWAP), unswap(acc_up, SWAP), ACT)  # masked columns are 0
