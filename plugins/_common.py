@@ -5,8 +5,9 @@ Why the rounding helpers exist: Triton's interpreter (how the kernels are tested
 truncates FP32 -> BF16 instead of rounding to nearest-even, and its FP32 -> FP8 rounding drops
 the carry into the exponent (31.3 becomes 16, not 32). The helpers below round in FP32 bit
 arithmetic to a value that the target format holds exactly, so the final cast has nothing left
-to round: interpreter and GPU then store the same bits as torch's `.to(dtype)`. On the GPU they
-cost a few integer instructions per element in kernels that are memory-bound.
+to round: interpreter and GPU then store the same bits as torch's `.to(dtype)`. Compiled, the
+BF16 helper is the GPU's own cast (nearest even already); the FP8 one keeps its bit arithmetic
+(it also saturates) at a few integer instructions per element.
 """
 
 from __future__ import annotations
