@@ -85,14 +85,25 @@ def mma_fp8(acc, a, w, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def fp8_gemm_loop(a_ptrs, a_rows_ok, w_ptrs, n_mask, K, up_offset, GATED: tl.constexpr,
-                  SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """The K loop of the FP8 W8A8 GEMMs (moe_fp8, linear_fp8): activation codes [BLOCK_M,
-    BLOCK_K] (rows `a_rows_ok`) times weight codes [BLOCK_N, BLOCK_K] (rows `n_mask`), both
-    contiguous in K; with GATED also the weight rows `up_offset` elements further (an expert's
-    up_proj) into a second accumulator. Few tokens: SWAP puts the weights on the MMA's M side
-    (see `mma`). -> (acc, acc_up), unscaled FP32 sums, [BN, BM] with SWAP else [BM, BN]."""
+def _mma_any(acc, a, w, SWAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`mma_fp8` for PRECISION "fp8", else `mma` with that dot precision."""
+    if PRECISION == "fp8":
+        acc = mma_fp8(acc, a, w, SWAP, BLOCK_K)
+    else:
+        acc = mma(acc, a, w, SWAP, PRECISION)
+    return acc
+
+
+@triton.jit
+def gemm_loop(a_ptrs, a_rows_ok, w_ptrs, n_mask, K, up_offset, GATED: tl.constexpr,
+              SWAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop of the GEMMs whose weights need no decoding (moe_bf16; moe_fp8 and linear_fp8
+    with PRECISION "fp8", W8A8 codes): activations [BLOCK_M, BLOCK_K] (rows `a_rows_ok`) times
+    weights [BLOCK_N, BLOCK_K] (rows `n_mask`), both contiguous in K; with GATED also the
+    weight rows `up_offset` elements further (an expert's up_proj) into a second accumulator.
+    Few tokens: SWAP puts the weights on the MMA's M side (see `mma`). -> (acc, acc_up),
+    unscaled FP32 sums, [BN, BM] with SWAP else [BM, BN]."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
@@ -100,10 +111,10 @@ def fp8_gemm_loop(a_ptrs, a_rows_ok, w_ptrs, n_mask, K, up_offset, GATED: tl.con
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=a_rows_ok[:, None] & k_mask[None, :], other=0.0)
         w_mask = n_mask[:, None] & k_mask[None, :]
-        acc = mma_fp8(acc, a, tl.load(w_ptrs, mask=w_mask, other=0.0), SWAP, BLOCK_K)
+        acc = _mma_any(acc, a, tl.load(w_ptrs, mask=w_mask, other=0.0), SWAP, PRECISION, BLOCK_K)
         if GATED:
             w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            acc_up = mma_fp8(acc_up, a, w_up, SWAP, BLOCK_K)
+            acc_up = _mma_any(acc_up, a, w_up, SWAP, PRECISION, BLOCK_K)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc, acc_up
@@ -118,7 +129,7 @@ def fp8_block_gemm_loop(a_ptrs, as_ptrs, a_rows_ok, w_ptrs, ws_ptrs, n_mask, K, 
     a_scale[row, g] * w_scale[n, g] (as_ptrs / ws_ptrs point at group 0 of each row / output
     channel and advance one group a step). GATED: also the weight rows `up_offset` elements
     (scales `up_s_offset`) further into a second accumulator. -> (acc, acc_up) as
-    `fp8_gemm_loop`. The scale vectors are strided (one per row): no asynchronous copies for
+    `gemm_loop`. The scale vectors are strided (one per row): no asynchronous copies for
     them, so they are loaded one step ahead by hand instead of stalling every step on a load."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)

@@ -39,6 +39,26 @@ def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
 
 
 @triton.jit
+def _residual(h, y, inv_rms_y, w_post, a, b, y_dtype: tl.constexpr, dtype: tl.constexpr):
+    """h' = a * h + b * RMSNorm(y; w_post) with the reference's roundings: the post-norm to
+    y's dtype, h' to the stream's (FP32 in, h' returned in dtype)."""
+    y_n = cast_rne(y * inv_rms_y * w_post, y_dtype).to(tl.float32)
+    return cast_rne(a * h + b * y_n, dtype)
+
+
+@triton.jit
+def _store_x(x_ptrs, q_ptrs, qs_ptr, h_new, inv_rms_h, w_pre, mask, dtype: tl.constexpr,
+             QUANT: tl.constexpr):
+    """x = RMSNorm(h'; w_pre) rounded to dtype, stored; QUANT: also its FP8 codes with the
+    static scale at qs_ptr."""
+    x = cast_rne(h_new * inv_rms_h * w_pre, dtype)
+    tl.store(x_ptrs, x, mask=mask)
+    if QUANT:
+        q = fp8_codes(x.to(tl.float32), tl.load(qs_ptr))
+        tl.store(q_ptrs, q.to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_ptr, qs_ptr, T,
                         stride_h, stride_y, stride_ho, stride_x, stride_q, H, a, b, eps,
                         ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
@@ -56,16 +76,12 @@ def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_pt
         h = tl.load(h_ptr + rows * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + rows * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
         inv_rms_y = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=1) / H + eps)
-        y_n = cast_rne(y * inv_rms_y[:, None] * w_post, y_ptr.dtype.element_ty).to(tl.float32)
-        h_new = cast_rne(a * h + b * y_n, dtype)
+        h_new = _residual(h, y, inv_rms_y[:, None], w_post, a, b, y_ptr.dtype.element_ty, dtype)
         tl.store(hout_ptr + rows * stride_ho + cols, h_new, mask=mask)
         h_new = h_new.to(tl.float32)  # the next norm reads the rounded stream, as the model does
         inv_rms_h = 1.0 / tl.sqrt_rn(tl.sum(h_new * h_new, axis=1) / H + eps)
-        x = cast_rne(h_new * inv_rms_h[:, None] * w_pre, dtype)
-        tl.store(x_ptr + rows * stride_x + cols, x, mask=mask)
-        if QUANT:
-            q = fp8_codes(x.to(tl.float32), tl.load(qs_ptr))
-            tl.store(q_ptr + rows * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
+        _store_x(x_ptr + rows * stride_x + cols, q_ptr + rows * stride_q + cols, qs_ptr, h_new,
+                 inv_rms_h[:, None], w_pre, mask, dtype, QUANT)
 
 
 @triton.jit
@@ -75,7 +91,6 @@ def _add_rmsnorm_chunked_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
     # One row per program in CHUNK-wide pieces (5 x 1024 for Beam's 5120: no idle lanes, where
     # the whole-row tile is 8192 wide), three passes: sum of y^2; h' (stored) and its sum of
     # squares; x (and its FP8 codes). Passes 2 and 3 re-read y and h' from L1/L2, not DRAM.
-    # Same math and roundings as _add_rmsnorm_kernel.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, CHUNK)
     y_row, h_row = y_ptr + row * stride_y, h_ptr + row * stride_h
@@ -92,8 +107,7 @@ def _add_rmsnorm_chunked_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
         y = tl.load(y_row + c + cols, mask=mask, other=0.0).to(tl.float32)
         h = tl.load(h_row + c + cols, mask=mask, other=0.0).to(tl.float32)
         w_post = tl.load(wpost_ptr + c + cols, mask=mask, other=0.0).to(tl.float32)
-        y_n = cast_rne(y * inv_rms_y * w_post, y_ptr.dtype.element_ty).to(tl.float32)
-        h_new = cast_rne(a * h + b * y_n, dtype)
+        h_new = _residual(h, y, inv_rms_y, w_post, a, b, y_ptr.dtype.element_ty, dtype)
         tl.store(ho_row + c + cols, h_new, mask=mask)
         h_new = h_new.to(tl.float32)
         sum_sq += h_new * h_new
@@ -103,11 +117,8 @@ def _add_rmsnorm_chunked_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
         mask = c + cols < H
         h_new = tl.load(ho_row + c + cols, mask=mask, other=0.0).to(tl.float32)
         w_pre = tl.load(wpre_ptr + c + cols, mask=mask, other=0.0).to(tl.float32)
-        x = cast_rne(h_new * inv_rms_h * w_pre, dtype)
-        tl.store(x_row + c + cols, x, mask=mask)
-        if QUANT:
-            q = fp8_codes(x.to(tl.float32), tl.load(qs_ptr))
-            tl.store(q_ptr + row * stride_q + c + cols, q.to(tl.float8e4nv), mask=mask)
+        _store_x(x_row + c + cols, q_ptr + row * stride_q + c + cols, qs_ptr, h_new, inv_rms_h,
+                 w_pre, mask, dtype, QUANT)
 
 
 # Many rows (a prefill chunk) run the chunked kernel: 86.5% of copy bandwidth at [16384, 5120]

@@ -11,7 +11,7 @@ float8_e4m3fn; weight_scale fp32 [] or [N]; input_scale fp32 []; out_dtype: None
 floating x (the output takes x's dtype), required for FP8 codes (bf16 / fp16 / fp32).
 Output: a new [..., N] tensor (no `out=`; inputs are never written).
 On CUDA, up to SMALL_M tokens (decode) run the Triton GEMM with the weights on the MMA's M side
-(the swap-AB loop shared with beam::moe_fp8, `_gemm.fp8_gemm_loop`): cuBLAS picks a
+(the swap-AB loop shared with beam::moe_fp8, `_gemm.gemm_loop`): cuBLAS picks a
 128-row tile for M = 1 and read the weights at 2.6-3.3x their floor in the engine bench. More
 tokens run torch._scaled_mm (FP8 tensor cores, FP32 accumulation) where its shape rules hold
 (K and N multiples of 16), the Triton GEMM otherwise.
@@ -31,7 +31,7 @@ from beam_trtllm.quant_formats import dequantize_fp8, quantize_fp8_activation
 from ._checks import (ACT_DTYPES, _expect, check_device, check_linear_x, check_out_dtype,
                       check_tensor)
 from ._fp8_act import quant_fp8_per_tensor
-from ._gemm import fp8_gemm_loop, round_to, tile_of, unswap
+from ._gemm import gemm_loop, round_to, tile_of, unswap
 from ._tiles import linear_config
 from .registry import dispatch, register
 from .tuning import tuned_linear
@@ -92,8 +92,8 @@ def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, 
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc, _ = fp8_gemm_loop(x_ptrs, m_mask, w_ptrs, n_mask, K, 0, False, SWAP, BLOCK_M, BLOCK_N,
-                           BLOCK_K)
+    acc, _ = gemm_loop(x_ptrs, m_mask, w_ptrs, n_mask, K, 0, False, SWAP, "fp8", BLOCK_M,
+                       BLOCK_N, BLOCK_K)
     w_scale = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     out = round_to(unswap(acc, SWAP) * tl.load(xs_ptr) * w_scale[None, :], dtype)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gemm import acc_zeros, dot_precision, mma, round_to, silu_mul, tile_of, unswap
+from ._gemm import dot_precision, gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, GemmConfig, Routing, block_tile, check_expert_weights, check_ids_in_range,
     check_routing, combine, configs_for, fake_moe, past_last_row, plan_routing, ref_moe,
@@ -70,18 +70,8 @@ def _moe_bf16_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, sorted_ptr, block_expert_pt
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        acc = mma(acc, a, tl.load(w_ptrs, mask=w_mask, other=0.0), SWAP, PRECISION)
-        if GATED:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc, acc_up = gemm_loop(a_ptrs, valid, w_ptrs, n_mask, K, N * stride_wn, GATED, SWAP,
+                            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     if GATED:
         out = silu_mul(unswap(acc, SWAP), unswap(acc_up, SWAP), dtype)

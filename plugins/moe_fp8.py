@@ -35,7 +35,7 @@ from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
 from ._common import e4m3_grid
 from ._fp8_act import quant_fp8_per_tensor
 from ._checks import ACT_DTYPES, check_device, check_out_dtype
-from ._gemm import fp8_gemm_loop, round_to, silu_mul, tile_of, unswap
+from ._gemm import gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
     check_ids_in_range, check_routing, check_tensor, combine, configs_for, past_last_row,
@@ -118,8 +118,8 @@ def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc, acc_up = fp8_gemm_loop(a_ptrs, valid, w_ptrs, n_mask, K, N * stride_wn, GATED, SWAP,
-                                BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc_up = gemm_loop(a_ptrs, valid, w_ptrs, n_mask, K, N * stride_wn, GATED, SWAP, "fp8",
+                            BLOCK_M, BLOCK_N, BLOCK_K)
     a_scale = tl.load(a_scale_ptr)
     ws_ptrs = ws_ptr + expert * stride_se + offs_n
     gate = unswap(acc, SWAP) * a_scale * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
