@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 # BF16 on the GPU: one word + its block's scale (BF16, pre-multiplied by 2^118) -> 8 BF16
-# values with integer ops and packed BF16 multiplies (~2.5 instructions per value; the plain
-# Triton decode below costs ~9 and made the NVFP4 decode GEMM ALU-bound). Placing magnitude
+# values with integer ops and packed BF16 multiplies (~2.75 instructions per value against ~9
+# for the plain Triton decode below), for tiles that go to shared memory anyway (the MMA's B
+# side: prefill); the A side (decode) uses the per-lane variant further down. Placing magnitude
 # index i (3 bits) at bits 6..8 and the sign at bit 15 gives the BF16 number E2M1(i) * 2^-126
 # (index 1, the subnormal 0.5, lands on a BF16 subnormal; BF16 multiplies keep subnormals);
 # times scale * 2^118 that is E2M1 * scale * 2^-8, exact.
@@ -60,6 +61,32 @@ mov.b32 {$5, $7}, r3;
 """)
 
 
+# The same decode for one byte (two codes) of a word, the byte picked by a PRMT selector: with
+# the weights on the MMA's A side (registers), lane c of each group of four holds k = 2c, 2c+1
+# of every 8 (kWidth 2), which is byte c of each word. Each lane decoding its own byte of
+# every word (the words broadcast over the four lanes) leaves the decoded tile already in the
+# MMA's register layout: the conversion Triton inserts is a register renaming, where decoding
+# whole words needed a shared-memory round trip of the BF16 tile (2 bytes a weight, the main
+# shared-memory traffic and stall of the decode GEMM; H200: 126 -> 100 us for moe_nvfp4 T=1).
+# $2 word, $3 selector (byte c of the word in bits 0..7, byte c of word >> 4 in 16..23),
+# $4 BF16 scale * 2^118 -> $0, $1 the two codes.
+_E2M1X2_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 w4, t, a, b, s2, r;
+mov.b32 s2, {$4, $4};
+shr.u32 w4, $2, 4;
+prmt.b32 t, $2, w4, $3;
+shl.b32 a, t, 6;
+and.b32 a, a, 0x01C001C0;
+shl.b32 b, t, 12;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 r, a, s2;
+mov.b32 {$0, $1}, r;
+}
+""")
+
+
 @triton.jit
 def _e2m1_code(words, j: tl.constexpr, scale, dtype: tl.constexpr):
     """Element j of each word, times scale (FP32, = weight_scale * 2^6), in dtype. The code
@@ -72,11 +99,15 @@ def _e2m1_code(words, j: tl.constexpr, scale, dtype: tl.constexpr):
 
 @triton.jit
 def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr,
-               ASM: tl.constexpr):
+               ASM: tl.constexpr, REGISTER_A: tl.constexpr = False):
     """words int32 [BLOCK_N, BLOCK_K/8], scales FP32 [BLOCK_N, BLOCK_K/16] ->
-    [BLOCK_N, BLOCK_K] in dtype = E2M1 * scale * 2^-8. ASM: the BF16 PTX decoder (GPU only;
-    Triton's interpreter cannot run inline assembly)."""
+    [BLOCK_N, BLOCK_K] in dtype = E2M1 * scale * 2^-8. ASM: the BF16 PTX decoders (GPU only;
+    Triton's interpreter cannot run inline assembly). REGISTER_A: the tile is the MMA's A
+    operand (weights on the M side), decoded one byte per lane (see _E2M1X2_TO_BF16)."""
     per_word = tl.join(scales, scales).reshape(BLOCK_N, BLOCK_K // 8)  # 2 words per 16-block
+    if ASM and REGISTER_A:
+        return _tile_per_lane(words, (per_word * 3.32306998946229e+35).to(tl.bfloat16),
+                              BLOCK_N, BLOCK_K)
     if ASM:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             _E2M1X8_TO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
@@ -98,6 +129,21 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
     return tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
 
 
+@triton.jit
+def _tile_per_lane(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BF16 decode with byte c of each word on lane group c: [BN, 4, W] pairs -> [BN, BK]."""
+    W: tl.constexpr = BLOCK_K // 8
+    byte = tl.arange(0, 4)[None, :, None]
+    selector = tl.broadcast_to(0x0400 + byte * 0x0101, (BLOCK_N, 4, W))  # bytes c, 4 + c
+    lo, hi = tl.inline_asm_elementwise(
+        _E2M1X2_TO_BF16, "=h,=h,r,r,h",
+        [tl.broadcast_to(words[:, None, :], (BLOCK_N, 4, W)), selector,
+         tl.broadcast_to(scales_bf16[:, None, :], (BLOCK_N, 4, W))],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    # element (n, c, w, j) is k = 8w + 2c + j
+    return tl.permute(tl.join(lo, hi), (0, 2, 1, 3)).reshape(BLOCK_N, BLOCK_K)
+
+
 def linear_config(m: int, dtype_bytes: float):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap) of the linear_* GEMMs. Few
     tokens: 16-row token tiles with the weights on the MMA's M side."""
@@ -106,5 +152,8 @@ def linear_config(m: int, dtype_bytes: float):
     if m <= 64:  # FP8 at M = 1: 6 stages of 256-deep K tiles (H200 sweep with the weights
         if dtype_bytes == 1:  # out of L2, bench/decode_sweep.py, 2026-11-29)
             return GemmConfig(16, 64, 256, 4, 6, swap=True)
+        if dtype_bytes == 0.5:  # NVFP4: 16-row one-warp tiles (mma.sync), 4x the programs of a
+            # 64-row warpgroup tile (H200, bench/nvfp4_probe.py, [5120 -> 8240]: 23.0 -> 17.5 us)
+            return GemmConfig(16, 16, 128, 1, 3, swap=True)
         return GemmConfig(16, 64, 128, 4, 4, swap=True)
     return GemmConfig(128, 128, 128 if dtype_bytes == 1 else 64, 8, 3)

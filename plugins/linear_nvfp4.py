@@ -61,8 +61,8 @@ def _(x, weight, weight_scale, weight_scale_2):
 @triton.jit
 def _linear_nvfp4_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                          stride_sn, stride_ym, SWAP: tl.constexpr, ASM: tl.constexpr,
-                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # w_ptr: the packed weight read as int32 words (8 codes each), stride_wn in words.
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -76,20 +76,30 @@ def _linear_nvfp4_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, y_ptr, M, N, K, stride_x
     s_ptrs = ws_ptr + offs_n.to(tl.int64)[:, None] * stride_sn + offs_ks[None, :]
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    # block scales loaded one step ahead by hand (too narrow for the pipelined async copies)
-    scales = tl.load(s_ptrs, mask=n_mask[:, None] & (offs_ks < K // 16)[None, :], other=0.0)
-    for k0 in range(0, K, BLOCK_K):
-        left = K - k0
-        a = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < left)[None, :], other=0.0)
-        words = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_kw < left // 8)[None, :], other=0)
-        s_ptrs += BLOCK_K // 16
-        scales_next = tl.load(s_ptrs, other=0.0,
-                              mask=n_mask[:, None] & (offs_ks < (left - BLOCK_K) // 16)[None, :])
-        w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM)
-        acc = mma(acc, a, w, SWAP, PRECISION)
-        scales = scales_next
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8
+    if EVEN_K:  # no K masks: the scales are wide enough for the pipelined async copies too
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
+            scales = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+            w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+            acc = mma(acc, a, w, SWAP, PRECISION)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K // 8
+            s_ptrs += BLOCK_K // 16
+    else:  # block scales loaded one step ahead by hand (masked: too narrow for async copies)
+        scales = tl.load(s_ptrs, mask=n_mask[:, None] & (offs_ks < K // 16)[None, :], other=0.0)
+        for k0 in range(0, K, BLOCK_K):
+            left = K - k0
+            a = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < left)[None, :], other=0.0)
+            words = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_kw < left // 8)[None, :], other=0)
+            s_ptrs += BLOCK_K // 16
+            s_mask = n_mask[:, None] & (offs_ks < (left - BLOCK_K) // 16)[None, :]
+            scales_next = tl.load(s_ptrs, mask=s_mask, other=0.0)
+            w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+            acc = mma(acc, a, w, SWAP, PRECISION)
+            scales = scales_next
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K // 8
     out = round_to(unswap(acc, SWAP) * (tl.load(ws2_ptr) * 256.0), dtype)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, out.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
@@ -110,6 +120,7 @@ def linear_nvfp4_triton(x, weight, weight_scale, weight_scale_2, config=None):
         _linear_nvfp4_kernel[grid](
             x2, words, weight_scale, weight_scale_2, y, m, n, k, x2.stride(0), words.stride(0),
             weight_scale.stride(0), y.stride(0), SWAP=cfg.swap, ASM=use_asm(x.dtype),
+            EVEN_K=k % cfg.block_k == 0,
             PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

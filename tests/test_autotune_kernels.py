@@ -20,9 +20,9 @@ from beam_trtllm.engine.build import build_engine
 from beam_trtllm.engine.engine_dir import read_engine_dir
 from beam_trtllm.engine.plan import BuildOptions
 from beam_trtllm.engine.tuned_kernels import LOCAL_FILE, TUNED_FILE, load_autotune
-from plugins import tuning
+from plugins import moe_nvfp4, tuning
 from plugins._attention_decode import DECODE_CONFIG
-from plugins._moe_common import GemmConfig, default_config
+from plugins._moe_common import GemmConfig
 from plugins._tiles import linear_config
 
 pytestmark = pytest.mark.kernel
@@ -119,7 +119,7 @@ def test_moe_and_decode_launches_take_installed_shapes():
         split = [(kw["NUM_SPLITS"], kw["num_stages"]) for kw in _meta(seen, "_decode_split_kernel")]
         return gemms, split
 
-    d13, d2 = (default_config(1, 4, gated) for gated in (True, False))  # 6 pairs: direct
+    d13 = d2 = moe_nvfp4.DECODE  # 6 pairs: direct, moe_nvfp4's own decode shape
     assert run() == ([(d13.block_n, d13.block_k, d13.num_stages), (32, 64, 2)],
                      [(3, 4)])  # gate/up default, down tuned; decode tuned
     tuning.clear()

@@ -166,14 +166,17 @@ def _moe_runner(fp8: bool):
     return runner
 
 
-def moe_defaults(pairs: int, experts: int):
-    """The (gate/up, down) shapes `_moe_common.configs_for` gives (moe_fp8's launcher swaps
-    in its own prefill gate/up shape; the search times the launcher's real choice as the
-    default and derives alternatives from these)."""
+def moe_defaults(pairs: int, experts: int, fp8: bool = True):
+    """The (gate/up, down) shapes `_moe_common.configs_for` gives, or moe_nvfp4's own decode
+    shape where those swap (moe_fp8's launcher swaps in its own prefill gate/up shape; the
+    search times the launcher's real choice as the default and derives alternatives from
+    these)."""
     from plugins._moe_common import DIRECT_MAX_PAIRS, default_config
+    from plugins.moe_nvfp4 import DECODE
 
     numel = 1 if pairs <= DIRECT_MAX_PAIRS else pairs
-    return default_config(numel, experts, True), default_config(numel, experts, False)
+    pair = default_config(numel, experts, True), default_config(numel, experts, False)
+    return pair if fp8 or not pair[0].swap else (DECODE, DECODE)
 
 
 def _moe_changes(d, fp8: bool) -> list[dict]:
@@ -189,7 +192,7 @@ def _moe_changes(d, fp8: bool) -> list[dict]:
 
 def _moe_stages(fp8: bool):
     def stages(p, mode):
-        d13, d2 = moe_defaults(p["size"], p["experts"])
+        d13, d2 = moe_defaults(p["size"], p["experts"], fp8)
 
         def gate_up(best):  # a block_m change re-sorts the tokens: w2 follows it
             out = [None]

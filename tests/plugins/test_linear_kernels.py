@@ -39,6 +39,18 @@ def test_kernel_matches_reference(fmt, dtype, t):
     torch.testing.assert_close(out.cpu(), ref(*on_cpu(args)), **_tol(fmt, dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 131])
+def test_nvfp4_whole_k_tiles(dtype, t):
+    """K a multiple of every K tile: the unmasked K loop (and on a GPU in BF16 at few tokens,
+    the per-lane decode into the MMA's registers)."""
+    x = torch.randn(t, 256, generator=torch.Generator().manual_seed(t)).to(dtype)
+    args = tuple(a.to(KERNEL_DEVICE) for a in linear_args("nvfp4", x, n=72, seed=t))
+    out = linear_nvfp4.linear_nvfp4_triton(*args)
+    torch.testing.assert_close(out.cpu(), linear_nvfp4.ref_linear_nvfp4(*on_cpu(args)),
+                               **_tol("nvfp4", dtype))
+
+
 def test_fp8_per_row_scale_and_leading_dims_through_the_op():
     x = torch.randn(2, 5, 208).to(torch.bfloat16)
     args = tuple(a.to(KERNEL_DEVICE) for a in linear_args("fp8", x, n=40, seed=3, per_row=True))

@@ -32,8 +32,8 @@ def _tolerance(fmt, dtype):
     return tol("moe", dtype)
 
 
-def _case(fmt, dtype, t, seed, experts=None, ids=None):
-    h, inner = SHAPES[fmt]
+def _case(fmt, dtype, t, seed, experts=None, ids=None, shape=None):
+    h, inner = shape or SHAPES[fmt]
     gate, up, down = dense_experts(E, h, inner, seed=seed)
     packed = pack_experts(fmt, gate, up, down)
     if fmt == "bf16":
@@ -82,6 +82,17 @@ def test_fp8_codes_input_is_the_same_moe(dtype, t, direct):
     torch.testing.assert_close(out.cpu(), want, **_tolerance("fp8", dtype))
     with pytest.raises(Exception, match="out_dtype"):
         moe_fp8.moe_fp8_triton(codes, *rest)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,direct", [(3, True), (17, False)])
+def test_nvfp4_whole_k_tiles(dtype, t, direct):
+    """H and I multiples of the 128-deep K tile: the unmasked K loop (scales in the pipelined
+    copies) and, on a GPU in BF16, the per-lane decode into the MMA's registers."""
+    args = _case("nvfp4", dtype, t, seed=t + 2, experts=6, shape=(256, 128))
+    out = moe_nvfp4.moe_nvfp4_triton(*args, direct=direct)
+    torch.testing.assert_close(out.cpu(), moe_nvfp4.ref_moe_nvfp4(*on_cpu(args)),
+                               **_tolerance("nvfp4", dtype))
 
 
 def test_single_token_and_empty_batch():

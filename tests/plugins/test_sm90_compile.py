@@ -19,7 +19,9 @@ from plugins.attention import _launch_attention
 from plugins.cache_write import _launch_cache_write
 from plugins.group_router import _launch_group_router
 from plugins.linear_fp8 import linear_fp8_triton
+from plugins.linear_nvfp4 import linear_nvfp4_triton
 from plugins.moe_fp8 import moe_fp8_triton
+from plugins.moe_nvfp4 import moe_nvfp4_triton
 from plugins.qk_prep import _launch_qk_prep
 from plugins.rmsnorm_fp8 import _launch_rmsnorm_fp8
 from sm90 import compile_instead_of_launch, resource_usage, spill_bytes
@@ -82,6 +84,21 @@ def _moe_fp8_prefill():
                    torch.ones(e, H), one, one, BF16)
 
 
+def _nvfp4_decode():
+    """The NVFP4 decode GEMMs at Beam shapes (whole 128-deep K tiles, BF16: the per-lane PTX
+    decode into the MMA's registers)."""
+    e, inner = 8, BEAM.moe_intermediate_size
+    one = torch.ones(e)
+    scales = lambda rows, k: torch.ones(e, rows, k // 16).to(FP8)  # noqa: E731
+    moe_nvfp4_triton(torch.randn(1, H, dtype=BF16), torch.arange(8, dtype=torch.int32)[None],
+                     torch.rand(1, 8), torch.zeros(e, 2 * inner, H // 2, dtype=torch.uint8),
+                     scales(2 * inner, H), one, torch.zeros(e, H, inner // 2, dtype=torch.uint8),
+                     scales(H, inner), one)
+    n = HQ * D + 2 * HKV * D
+    linear_nvfp4_triton(torch.randn(1, H, dtype=BF16), torch.zeros(n, H // 2, dtype=torch.uint8),
+                        torch.ones(n, H // 16).to(FP8), torch.ones(()))
+
+
 def _misc():
     x = torch.randn(2, H, dtype=BF16)
     w = torch.ones(H, dtype=BF16)
@@ -109,6 +126,7 @@ BUILDS = {
     "norms-fp8-out": _fp8_norms,
     "fp8-gemms-decode": _fp8_gemms_decode,
     "moe-fp8-prefill": _moe_fp8_prefill,
+    "nvfp4-decode": _nvfp4_decode,
 }
 
 
@@ -123,5 +141,10 @@ def test_kernels_compile_for_hopper_without_spills(build):
             assert "cp.async.cg.shared.global" in kernel.asm["ptx"], "K/V loads not pipelined"
         if name == "_prefill_kernel":
             assert "warp_group_dot" in kernel.asm["ttgir"], "prefill does not use wgmma"
+        if name in ("_moe_nvfp4_kernel", "_linear_nvfp4_kernel"):  # decoded tile: registers only
+            # (one small store a tile may remain: the per-word scales' layout change; the
+            # decoded BF16 tile itself took 16 stores a K step before the per-lane decode)
+            stores = kernel.asm["ptx"].count("st.shared")
+            assert stores <= 2, f"{name} stages the decoded tile in shared memory ({stores})"
         if name in ("_linear_fp8_kernel", "_moe_fp8_kernel"):  # swap-AB: weights on wgmma's M
             assert "warp_group_dot" in kernel.asm["ttgir"], f"{name} does not use wgmma"

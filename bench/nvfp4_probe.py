@@ -1,0 +1,73 @@
+"""Where the NVFP4 batch-1 decode time goes (issue 4's 1.5x-floor target): launch shapes and
+pipeline depths of beam::moe_nvfp4 at T=1 and of beam::linear_nvfp4 at M=1, Beam-1.0 shapes,
+CUDA-graph replays, each checked against its reference.
+
+    PYTHONPATH=. python3 bench/nvfp4_probe.py            # the sweep
+    PYTHONPATH=. ncu --kernel-name regex:_moe_nvfp4 --launch-skip 4 --launch-count 2 \\
+        python3 bench/nvfp4_probe.py --once 32,128,2,3   # a few plain calls for the profiler
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import kernels_moe as km
+from _linear_testdata import linear_args
+from beam_trtllm.config import preset
+from kernels import time_graph_us
+from plugins import linear_nvfp4, moe_nvfp4
+from plugins._moe_common import GemmConfig
+
+G = lambda bn, bk, nw, st: GemmConfig(16, bn, bk, nw, st, swap=True)  # noqa: E731
+SHAPES = [G(64, 128, 4, 4), G(32, 128, 2, 3), G(32, 128, 2, 4), G(16, 128, 1, 3),
+          G(32, 64, 2, 3)]
+
+
+def row(name, fn, want, floor_us):
+    try:
+        rel = ((fn().float() - want.float()).norm() / want.float().norm()).item()
+        us = time_graph_us(fn)
+        print(f"{name:40s} {us:8.1f} us  {us / floor_us:5.2f}x floor  rel {rel:.1e}", flush=True)
+    except Exception as exc:  # a shape that does not compile: report, go on
+        print(f"{name:40s} {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+
+
+def main():
+    opts = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    opts.add_argument("--once", help="bn,bk,warps,stages: three plain moe calls (for ncu)")
+    opts = opts.parse_args()
+    cfg = preset("beam-1.0-501b")
+    packed = km.experts("nvfp4", cfg, seed=1)
+    x, ids, w = km.routing(cfg, 1, seed=1)
+    args = km.moe_args("nvfp4", x, ids, w, packed)
+    if opts.once:
+        c = G(*map(int, opts.once.split(",")))
+        for _ in range(3):
+            moe_nvfp4.moe_nvfp4_triton(*args, config13=c, config2=c)
+        torch.cuda.synchronize()
+        return
+    copy = 4274e9  # bytes/s, bench/kernels.py's copy ceiling on this H200
+    want = moe_nvfp4.ref_moe_nvfp4(*args)
+    floor = km.expert_bytes(packed, ids) / copy * 1e6
+    print(f"moe_nvfp4 T=1: floor {floor:.1f} us")
+    row("moe default", lambda: moe_nvfp4.moe_nvfp4_triton(*args), want, floor)
+    for c in SHAPES:
+        row(f"moe both {c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
+            lambda: moe_nvfp4.moe_nvfp4_triton(*args, config13=c, config2=c), want, floor)
+    n, k = 8240, cfg.hidden_size  # q/k/v + gate
+    largs = linear_args("nvfp4", x.cpu(), n=n, seed=2)
+    largs = tuple(a.cuda() for a in largs)
+    want = linear_nvfp4.ref_linear_nvfp4(*largs)
+    floor = sum(a.numel() * a.element_size() for a in largs[1:]) / copy * 1e6
+    print(f"linear_nvfp4 M=1 [{k} -> {n}]: floor {floor:.1f} us")
+    row("linear default", lambda: linear_nvfp4.linear_nvfp4_triton(*largs), want, floor)
+    for c in SHAPES:
+        row(f"linear {c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
+            lambda: linear_nvfp4.linear_nvfp4_triton(*largs, config=c), want, floor)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
