@@ -22,43 +22,21 @@ import triton.language as tl
 # index i (3 bits) at bits 6..8 and the sign at bit 15 gives the BF16 number E2M1(i) * 2^-126
 # (index 1, the subnormal 0.5, lands on a BF16 subnormal; BF16 multiplies keep subnormals);
 # times scale * 2^118 that is E2M1 * scale * 2^-8, exact.
-_E2M1X8_TO_BF16 = tl.constexpr("""
-{
-.reg .b32 z, t0, t1, a, b, s2, r0, r1, r2, r3;
-mov.b32 z, 0;
-mov.b32 s2, {$9, $9};
-prmt.b32 t0, $8, z, 0x4140;
-prmt.b32 t1, $8, z, 0x4342;
-shl.b32 a, t0, 6;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, t0, 12;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 r0, a, s2;
-shl.b32 a, t0, 2;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, t0, 8;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 r1, a, s2;
-shl.b32 a, t1, 6;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, t1, 12;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 r2, a, s2;
-shl.b32 a, t1, 2;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, t1, 8;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 r3, a, s2;
-mov.b32 {$0, $2}, r0;
-mov.b32 {$1, $3}, r1;
-mov.b32 {$4, $6}, r2;
-mov.b32 {$5, $7}, r3;
-}
-""")
+def _decode_pair_ptx(src: str, mag_shift: int, sign_shift: int, dst: str) -> str:
+    """PTX: the two codes whose magnitude bits sit `mag_shift` below bits 6..8 (and sign bit
+    `sign_shift` below bit 15) of each half of `src` -> BF16x2 `dst`, times the scales `s2`."""
+    return (f"shl.b32 a, {src}, {mag_shift};\nand.b32 a, a, 0x01C001C0;\n"
+            f"shl.b32 b, {src}, {sign_shift};\nand.b32 b, b, 0x80008000;\n"
+            f"or.b32 a, a, b;\nmul.rn.bf16x2 {dst}, a, s2;\n")
+
+
+_E2M1X8_TO_BF16 = tl.constexpr(
+    "{\n.reg .b32 z, t0, t1, a, b, s2, r0, r1, r2, r3;\nmov.b32 z, 0;\nmov.b32 s2, {$9, $9};\n"
+    "prmt.b32 t0, $8, z, 0x4140;\nprmt.b32 t1, $8, z, 0x4342;\n"
+    + _decode_pair_ptx("t0", 6, 12, "r0") + _decode_pair_ptx("t0", 2, 8, "r1")
+    + _decode_pair_ptx("t1", 6, 12, "r2") + _decode_pair_ptx("t1", 2, 8, "r3")
+    + "mov.b32 {$0, $2}, r0;\nmov.b32 {$1, $3}, r1;\nmov.b32 {$4, $6}, r2;\n"
+    "mov.b32 {$5, $7}, r3;\n}\n")
 
 
 # The same decode for one byte (two codes) of a word, the byte picked by a PRMT selector: with
@@ -70,21 +48,9 @@ mov.b32 {$5, $7}, r3;
 # shared-memory traffic and stall of the decode GEMM; H200: 126 -> 100 us for moe_nvfp4 T=1).
 # $2 word, $3 selector (byte c of the word in bits 0..7, byte c of word >> 4 in 16..23),
 # $4 BF16 scale * 2^118 -> $0, $1 the two codes.
-_E2M1X2_TO_BF16 = tl.constexpr("""
-{
-.reg .b32 w4, t, a, b, s2, r;
-mov.b32 s2, {$4, $4};
-shr.u32 w4, $2, 4;
-prmt.b32 t, $2, w4, $3;
-shl.b32 a, t, 6;
-and.b32 a, a, 0x01C001C0;
-shl.b32 b, t, 12;
-and.b32 b, b, 0x80008000;
-or.b32 a, a, b;
-mul.rn.bf16x2 r, a, s2;
-mov.b32 {$0, $1}, r;
-}
-""")
+_E2M1X2_TO_BF16 = tl.constexpr(
+    "{\n.reg .b32 w4, t, a, b, s2, r;\nmov.b32 s2, {$4, $4};\nshr.u32 w4, $2, 4;\n"
+    "prmt.b32 t, $2, w4, $3;\n" + _decode_pair_ptx("t", 6, 12, "r") + "mov.b32 {$0, $1}, r;\n}\n")
 
 
 @triton.jit
@@ -128,6 +94,15 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
     odd = tl.join(tl.join(o1, o5), tl.join(o3, o7))
     return tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
 
+
+@triton.jit
+def load_nvfp4_tile(w_ptrs, s_ptrs, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    dtype: tl.constexpr, ASM: tl.constexpr, REGISTER_A: tl.constexpr):
+    """One whole K tile of weight rows `row_mask`: its words and E4M3 block scales (unmasked
+    along K, so both are wide enough for the pipelined async copies), decoded."""
+    words = tl.load(w_ptrs, mask=row_mask, other=0)
+    scales = tl.load(s_ptrs, mask=row_mask, other=0.0)
+    return nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, REGISTER_A)
 
 @triton.jit
 def _tile_per_lane(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -21,7 +21,7 @@ from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 from ._checks import _expect, check_device, check_linear_x, check_tensor
 from ._gemm import acc_zeros, dot_precision, mma, round_to, tile_of, unswap
 from .moe_nvfp4 import use_asm
-from ._tiles import linear_config, nvfp4_tile
+from ._tiles import linear_config, load_nvfp4_tile, nvfp4_tile
 from .registry import dispatch, register
 from .tuning import tuned_linear
 
@@ -79,9 +79,8 @@ def _linear_nvfp4_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, y_ptr, M, N, K, stride_x
     if EVEN_K:  # no K masks: the scales are wide enough for the pipelined async copies too
         for k0 in range(0, K, BLOCK_K):
             a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
-            scales = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
-            w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+            w = load_nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K, dtype, ASM,
+                                SWAP)
             acc = mma(acc, a, w, SWAP, PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K // 8

@@ -34,7 +34,7 @@ from ._moe_common import (
     check_routing, check_tensor, combine, configs_for, fake_moe, past_last_row, plan_routing,
     ref_moe, routing_ptrs,
 )
-from ._tiles import nvfp4_tile
+from ._tiles import load_nvfp4_tile, nvfp4_tile
 from .registry import dispatch, register, triton_interpreted
 from .tuning import tuned_moe
 
@@ -146,14 +146,11 @@ def _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, 
     acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-        words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
-        scales = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
-        w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+        w = load_nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
         acc = mma(acc, a, w, SWAP, PRECISION)
         if GATED:
-            words = tl.load(w_ptrs + row_step_w, mask=n_mask[:, None], other=0)
-            scales = tl.load(s_ptrs + row_step_s, mask=n_mask[:, None], other=0.0)
-            w_up = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+            w_up = load_nvfp4_tile(w_ptrs + row_step_w, s_ptrs + row_step_s, n_mask[:, None],
+                                   BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
             acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
