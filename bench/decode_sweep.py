@@ -1,13 +1,15 @@
 """Launch-shape sweeps for the small kernels of a batch-1 decode step (H200), and an
 experimental chunked add_rmsnorm for the 16K-token prefill boundary.
 
-    PYTHONPATH=. python3 bench/decode_sweep.py [--only attn,linear,norm1,norm16k] [--out DIR]
+    PYTHONPATH=. python3 bench/decode_sweep.py [--only attn,linear,linear_nvfp4,norm1,norm16k]
+        [--out DIR]
 
 - attn: decode attention at batch 1 on a sliding layer's 512-slot ring and on a full layer's
   paged cache at 2K context (the engine bench's layers), over key tile, split length and
   pipeline depth (DECODE_CONFIG's BLOCK_N_SHORT / min_split / num_stages);
-- linear: linear_fp8's swap-AB Triton GEMM at M = 1 on q/k/v [8192 x 5120] and o_proj
-  [5120 x 6144] over tile shapes (the default is `_tiles.linear_config`);
+- linear / linear_nvfp4: linear_fp8's (FP8 codes in) / linear_nvfp4's swap-AB Triton GEMM at
+  M = 1 on q/k/v [8192 x 5120] and o_proj [5120 x 6144] over tile shapes, warps (16/32-row
+  tiles on one or two warps run mma.sync) and depths (the default is `_tiles.linear_config`);
 - norm1: add_rmsnorm and add_rmsnorm_fp8 at one token (graph replays), over warps;
 - norm16k: add_rmsnorm [16384, 5120] (bytes: read h, y; write h', x) with the shipped kernel
   and a chunked variant that walks each row in 1024-channel chunks (no idle lanes for
@@ -28,14 +30,17 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "plugins"))
 
 import kernels as kb  # noqa: E402
+from _linear_testdata import linear_args  # noqa: E402
 import kernels_sweep  # noqa: E402
 from kernels_sweep import patched  # noqa: E402
 from plugins import _attention_decode, rmsnorm  # noqa: E402
 from plugins._common import cast_rne, sm_count  # noqa: E402
 from plugins._moe_common import GemmConfig  # noqa: E402
 from plugins.linear_fp8 import linear_fp8_triton  # noqa: E402
+from plugins.linear_nvfp4 import linear_nvfp4_triton  # noqa: E402
 
 DEV, BF16, FP8 = "cuda", torch.bfloat16, torch.float8_e4m3fn
 SKIPPED = (AssertionError, triton.runtime.errors.OutOfResources,
@@ -78,37 +83,50 @@ def sweep_attn(cfg, ceil):
     return out
 
 
-def sweep_linear(cfg, ceil):
+LINEAR_TILES = [(16, 1), (32, 2), (32, 4), (64, 4), (128, 4)]  # (block_n, warps): 16/32-row
+# weight tiles run on mma.sync (one or two warps), 64+ on one warpgroup's wgmma
+
+
+def sweep_linear(cfg, ceil, fmt="fp8"):
     h, out = cfg.hidden_size, {}
     q_out = cfg.num_attention_heads * cfg.head_dim
     shapes = {"qkv": (q_out + 2 * cfg.num_key_value_heads * cfg.head_dim, h),
               "o_proj": (h, q_out)}
     for name, (n, k) in shapes.items():
-        x = torch.randn(1, k, device=DEV).to(FP8)
+        x, w, *scales = _linear_inputs(fmt, n, k)
+        op = linear_fp8_triton if fmt == "fp8" else linear_nvfp4_triton
+        tail = (BF16,) if fmt == "fp8" else ()
         # enough weight copies that one graph of calls on all of them does not fit in L2
         # (60 MB), as in the engine, where the other layers' weights pass through L2 between
-        copies = 1 if kb.SMOKE else max(2, -(-160_000_000 // (n * k)))
-        ws_all = [torch.randn(n, k, device=DEV).to(FP8) for _ in range(copies)]
-        w = ws_all[0]
-        ws = torch.rand(n, device=DEV) / 64
-        xs = torch.tensor(0.01, device=DEV)
-        want = linear_fp8_triton(x, w, ws, xs, BF16)
+        nbytes = w.numel() * w.element_size()
+        copies = 1 if kb.SMOKE else max(2, -(-160_000_000 // nbytes))
+        ws_all = [w] + [w.clone() for _ in range(copies - 1)]
+        want = op(x, w, *scales, *tail)
         grid = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw)
-                for bn in (32, 64, 128) for bk in (128, 256, 512) for st in (3, 4, 6)
-                for nw in (4,)]
+                for bn, nw in LINEAR_TILES for bk in (128, 256) for st in (3, 4, 6)]
 
-        def timed(conf, x=x, w=w, ws=ws, xs=xs, want=want, ws_all=ws_all):
+        def timed(conf, x=x, scales=scales, want=want, ws_all=ws_all, op=op, tail=tail):
             gc = GemmConfig(16, conf["block_n"], conf["block_k"], conf["num_warps"],
                             conf["num_stages"], swap=True)
-            checked(lambda: linear_fp8_triton(x, w, ws, xs, BF16, config=gc), want, exact=False)
+            checked(lambda: op(x, ws_all[0], *scales, *tail, config=gc), want, exact=False)
 
             def calls():
                 for wc in ws_all:
-                    linear_fp8_triton(x, wc, ws, xs, BF16, config=gc)
+                    op(x, wc, *scales, *tail, config=gc)
             return kb.time_graph_us(calls, len(ws_all))
-        out |= run_grid(f"linear_fp8 M=1 {name} [{n}x{k}]", grid, timed, n * k, "GB/s",
+        out |= run_grid(f"linear_{fmt} M=1 {name} [{n}x{k}]", grid, timed, nbytes, "GB/s",
                         ceil["copy_GBps"])
     return out
+
+
+def _linear_inputs(fmt, n, k):
+    """(x, weight, *scales) of linear_<fmt> at M = 1 on the GPU: FP8 codes in and per-row
+    weight scales (the engine's q/k/v and o_proj), or NVFP4 weights with BF16 x."""
+    if fmt == "fp8":
+        return (torch.randn(1, k, device=DEV).to(FP8), torch.randn(n, k, device=DEV).to(FP8),
+                torch.rand(n, device=DEV) / 64, torch.tensor(0.01, device=DEV))
+    x = torch.randn(1, k).to(BF16)
+    return tuple(a.to(DEV) for a in linear_args("nvfp4", x, n=n, seed=0))
 
 
 def sweep_norm1(cfg, ceil):
@@ -212,7 +230,8 @@ def main() -> None:
     ceil = kb.measure_ceilings()
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
     sweeps = {"attn": sweep_attn, "linear": sweep_linear, "norm1": sweep_norm1,
-              "norm16k": sweep_norm16k}
+              "norm16k": sweep_norm16k,
+              "linear_nvfp4": lambda cfg, ceil: sweep_linear(cfg, ceil, "nvfp4")}
     results = {}
     for name in args.only.split(","):
         results |= sweeps[name](cfg, ceil)

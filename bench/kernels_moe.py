@@ -205,9 +205,11 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
     decode = t <= 64
     timer = ctx.time_graph_us if decode else ctx.time_us
     if decode:  # weights on the MMA's M side (swap); block_n >= 64 (one warpgroup's M)
-        shapes = ((64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 4), (64, 64, 4))
-        grid13 = [GemmConfig(16, bn, bk, nw, 4, swap=True) for bn, bk, nw in shapes]
-        down = [(bn, bk, nw, 4, 8, True) for bn, bk, nw in shapes]
+        shapes = ((64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 4), (64, 256, 4, 4),
+                  (64, 64, 4, 4), (32, 128, 2, 3), (32, 128, 2, 4), (32, 256, 2, 3),
+                  (16, 128, 1, 3), (16, 256, 1, 4))  # 16/32 rows: mma.sync on 1-2 warps
+        grid13 = [GemmConfig(16, bn, bk, nw, st, swap=True) for bn, bk, nw, st in shapes]
+        down = [(bn, bk, nw, st, 8, True) for bn, bk, nw, st in shapes]
         default2 = (64, 128, 4, 4, 8, True)
     else:
         grid13 = [GemmConfig(*c) for c in (

@@ -128,7 +128,8 @@ def linear_config(m: int, dtype_bytes: float):
         if dtype_bytes == 1:  # out of L2, bench/decode_sweep.py, 2026-11-29)
             return GemmConfig(16, 64, 256, 4, 6, swap=True)
         if dtype_bytes == 0.5:  # NVFP4: 16-row one-warp tiles (mma.sync), 4x the programs of a
-            # 64-row warpgroup tile (H200, bench/nvfp4_probe.py, [5120 -> 8240]: 23.0 -> 17.5 us)
-            return GemmConfig(16, 16, 128, 1, 3, swap=True)
+            # 64-row warpgroup tile (H200, weights out of L2, bench/decode_sweep.py: q/k/v
+            # [8192 x 5120] 20.1 -> 18.5 us, o_proj 23.3 -> 21.1 us)
+            return GemmConfig(16, 16, 128, 1, 4, swap=True)
         return GemmConfig(16, 64, 128, 4, 4, swap=True)
     return GemmConfig(128, 128, 128 if dtype_bytes == 1 else 64, 8, 3)
