@@ -18,7 +18,7 @@ import triton.language as tl
 # BF16 on the GPU: one word + its block's scale (BF16, pre-multiplied by 2^118) -> 8 BF16
 # values with integer ops and packed BF16 multiplies (~2.75 instructions per value against ~9
 # for the plain Triton decode below), for tiles that go to shared memory anyway (the MMA's B
-# side: prefill); the A side (decode) uses the per-lane variant further down. Placing magnitude
+# side: prefill); the A side (decode) uses the per-byte variant further down. Placing magnitude
 # index i (3 bits) at bits 6..8 and the sign at bit 15 gives the BF16 number E2M1(i) * 2^-126
 # (index 1, the subnormal 0.5, lands on a BF16 subnormal; BF16 multiplies keep subnormals);
 # times scale * 2^118 that is E2M1 * scale * 2^-8, exact.
@@ -39,18 +39,24 @@ _E2M1X8_TO_BF16 = tl.constexpr(
     "mov.b32 {$5, $7}, r3;\n}\n")
 
 
-# The same decode for one byte (two codes) of a word, the byte picked by a PRMT selector: with
-# the weights on the MMA's A side (registers), lane c of each group of four holds k = 2c, 2c+1
-# of every 8 (kWidth 2), which is byte c of each word. Each lane decoding its own byte of
-# every word (the words broadcast over the four lanes) leaves the decoded tile already in the
-# MMA's register layout: the conversion Triton inserts is a register renaming, where decoding
-# whole words needed a shared-memory round trip of the BF16 tile (2 bytes a weight, the main
-# shared-memory traffic and stall of the decode GEMM; H200: 126 -> 100 us for moe_nvfp4 T=1).
-# $2 word, $3 selector (byte c of the word in bits 0..7, byte c of word >> 4 in 16..23),
-# $4 BF16 scale * 2^118 -> $0, $1 the two codes.
+# One byte (two codes) of a word -> BF16x2, for tiles that feed the MMA's A side from
+# registers (decode). Written per byte over a [rows, 4 bytes, words] view, the decoded tile
+# lets Triton pick the dot-operand layout with kWidth 8 for both MMA operands (K permuted the
+# same way on both sides, so each thread's A fragment holds whole words: 8 consecutive k), and
+# the conversion to it is a register renaming. The word-at-once decoder's join/reshape chain
+# led to kWidth 2 and a shared-memory round trip of the decoded BF16 tile every K step (2 bytes
+# a weight: the main shared-memory traffic and stall of the decode GEMM; H200: moe_nvfp4 T=1
+# 126 -> 100 us with the launch shape of moe_nvfp4.DECODE). One PRMT gathers, with w4 = the
+# word rotated right by 4: byte 0 = byte c (low code's magnitude in bits 0..2), byte 1 = w4's
+# byte c-1 (its top bit is the low code's sign), byte 2 = w4's byte c (high code's magnitude),
+# byte 3 = byte c (its top bit is the high code's sign); the signs sit at bits 15 and 31
+# already and one shift places both magnitudes at bits 6..8 of each half.
+# $2 word, $3 PRMT selector of byte c, $4 BF16 scale * 2^118 -> $0, $1 the two codes.
 _E2M1X2_TO_BF16 = tl.constexpr(
-    "{\n.reg .b32 w4, t, a, b, s2, r;\nmov.b32 s2, {$4, $4};\nshr.u32 w4, $2, 4;\n"
-    "prmt.b32 t, $2, w4, $3;\n" + _decode_pair_ptx("t", 6, 12, "r") + "mov.b32 {$0, $1}, r;\n}\n")
+    "{\n.reg .b32 w4, t, a, s2, r;\nmov.b32 s2, {$4, $4};\nshf.r.wrap.b32 w4, $2, $2, 4;\n"
+    "prmt.b32 t, $2, w4, $3;\nshl.b32 a, t, 6;\nand.b32 a, a, 0x01C001C0;\n"
+    "and.b32 t, t, 0x80008000;\nor.b32 a, a, t;\nmul.rn.bf16x2 r, a, s2;\n"
+    "mov.b32 {$0, $1}, r;\n}\n")
 
 
 @triton.jit
@@ -69,10 +75,10 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
     """words int32 [BLOCK_N, BLOCK_K/8], scales FP32 [BLOCK_N, BLOCK_K/16] ->
     [BLOCK_N, BLOCK_K] in dtype = E2M1 * scale * 2^-8. ASM: the BF16 PTX decoders (GPU only;
     Triton's interpreter cannot run inline assembly). REGISTER_A: the tile is the MMA's A
-    operand (weights on the M side), decoded one byte per lane (see _E2M1X2_TO_BF16)."""
+    operand (weights on the M side), decoded byte by byte (see _E2M1X2_TO_BF16)."""
     per_word = tl.join(scales, scales).reshape(BLOCK_N, BLOCK_K // 8)  # 2 words per 16-block
     if ASM and REGISTER_A:
-        return _tile_per_lane(words, (per_word * 3.32306998946229e+35).to(tl.bfloat16),
+        return _tile_per_byte(words, (per_word * 3.32306998946229e+35).to(tl.bfloat16),
                               BLOCK_N, BLOCK_K)
     if ASM:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
@@ -105,11 +111,13 @@ def load_nvfp4_tile(w_ptrs, s_ptrs, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl
     return nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, REGISTER_A)
 
 @triton.jit
-def _tile_per_lane(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """BF16 decode with byte c of each word on lane group c: [BN, 4, W] pairs -> [BN, BK]."""
+def _tile_per_byte(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BF16 decode of each word byte by byte: [BN, 4, W] code pairs -> [BN, BK]."""
     W: tl.constexpr = BLOCK_K // 8
     byte = tl.arange(0, 4)[None, :, None]
-    selector = tl.broadcast_to(0x0400 + byte * 0x0101, (BLOCK_N, 4, W))  # bytes c, 4 + c
+    # PRMT source bytes (word, then w4) for result bytes 0..3: c, 4 + (c - 1) % 4, 4 + c, c
+    selector = tl.broadcast_to(byte + ((4 + (byte + 3) % 4) << 4) + ((4 + byte) << 8)
+                               + (byte << 12), (BLOCK_N, 4, W))
     lo, hi = tl.inline_asm_elementwise(
         _E2M1X2_TO_BF16, "=h,=h,r,r,h",
         [tl.broadcast_to(words[:, None, :], (BLOCK_N, 4, W)), selector,

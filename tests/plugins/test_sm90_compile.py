@@ -85,7 +85,7 @@ def _moe_fp8_prefill():
 
 
 def _nvfp4_decode():
-    """The NVFP4 decode GEMMs at Beam shapes (whole 128-deep K tiles, BF16: the per-lane PTX
+    """The NVFP4 decode GEMMs at Beam shapes (whole 128-deep K tiles, BF16: the per-byte PTX
     decode into the MMA's registers)."""
     e, inner = 8, BEAM.moe_intermediate_size
     one = torch.ones(e)
@@ -143,7 +143,7 @@ def test_kernels_compile_for_hopper_without_spills(build):
             assert "warp_group_dot" in kernel.asm["ttgir"], "prefill does not use wgmma"
         if name in ("_moe_nvfp4_kernel", "_linear_nvfp4_kernel"):  # decoded tile: registers only
             # (one small store a tile may remain: the per-word scales' layout change; the
-            # decoded BF16 tile itself took 16 stores a K step before the per-lane decode)
+            # decoded BF16 tile itself took 16 stores a K step before the per-byte decode)
             stores = kernel.asm["ptx"].count("st.shared")
             assert stores <= 2, f"{name} stages the decoded tile in shared memory ({stores})"
         if name in ("_linear_fp8_kernel", "_moe_fp8_kernel"):  # swap-AB: weights on wgmma's M
