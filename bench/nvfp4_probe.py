@@ -2,7 +2,7 @@
 pipeline depths of beam::moe_nvfp4 at T=1 and of beam::linear_nvfp4 at M=1, Beam-1.0 shapes,
 CUDA-graph replays, each checked against its reference.
 
-    PYTHONPATH=. python3 bench/nvfp4_probe.py            # the sweep
+    PYTHONPATH=. python3 bench/nvfp4_probe.py [--tokens T]   # the sweep, batch T
     PYTHONPATH=. ncu --kernel-name regex:_moe_nvfp4 --launch-skip 4 --launch-count 2 \\
         python3 bench/nvfp4_probe.py --once 32,128,2,3   # a few plain calls for the profiler
 """
@@ -22,7 +22,7 @@ from plugins._moe_common import GemmConfig
 
 G = lambda bn, bk, nw, st: GemmConfig(16, bn, bk, nw, st, swap=True)  # noqa: E731
 SHAPES = [G(64, 128, 4, 4), G(32, 128, 2, 3), G(32, 128, 2, 4), G(16, 128, 1, 3),
-          G(32, 64, 2, 3)]
+          G(16, 128, 1, 4), G(32, 64, 2, 3)]
 
 
 def row(name, fn, want, floor_us):
@@ -37,10 +37,11 @@ def row(name, fn, want, floor_us):
 def main():
     opts = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     opts.add_argument("--once", help="bn,bk,warps,stages: three plain moe calls (for ncu)")
+    opts.add_argument("--tokens", type=int, default=1, help="decode batch (<= 64)")
     opts = opts.parse_args()
     cfg = preset("beam-1.0-501b")
     packed = km.experts("nvfp4", cfg, seed=1)
-    x, ids, w = km.routing(cfg, 1, seed=1)
+    x, ids, w = km.routing(cfg, opts.tokens, seed=1)
     args = km.moe_args("nvfp4", x, ids, w, packed)
     if opts.once:
         c = G(*map(int, opts.once.split(",")))
@@ -51,7 +52,7 @@ def main():
     copy = 4274e9  # bytes/s, bench/kernels.py's copy ceiling on this H200
     want = moe_nvfp4.ref_moe_nvfp4(*args)
     floor = km.expert_bytes(packed, ids) / copy * 1e6
-    print(f"moe_nvfp4 T=1: floor {floor:.1f} us")
+    print(f"moe_nvfp4 T={opts.tokens}: floor {floor:.1f} us")
     row("moe default", lambda: moe_nvfp4.moe_nvfp4_triton(*args), want, floor)
     for c in SHAPES:
         row(f"moe both {c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
@@ -61,7 +62,7 @@ def main():
     largs = tuple(a.cuda() for a in largs)
     want = linear_nvfp4.ref_linear_nvfp4(*largs)
     floor = sum(a.numel() * a.element_size() for a in largs[1:]) / copy * 1e6
-    print(f"linear_nvfp4 M=1 [{k} -> {n}]: floor {floor:.1f} us")
+    print(f"linear_nvfp4 M={opts.tokens} [{k} -> {n}]: floor {floor:.1f} us")
     row("linear default", lambda: linear_nvfp4.linear_nvfp4_triton(*largs), want, floor)
     for c in SHAPES:
         row(f"linear {c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
