@@ -204,7 +204,7 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
     launch = getattr(MOE[fmt], f"moe_{fmt}_triton")
     decode = t <= 64
     timer = ctx.time_graph_us if decode else ctx.time_us
-    if decode:  # weights on the MMA's M side (swap); block_n >= 64 (one warpgroup's M)
+    if decode:  # weights on the MMA's M side (swap): 64+ rows on a warpgroup, 16/32 on mma.sync
         shapes = ((64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 4), (64, 256, 4, 4),
                   (64, 64, 4, 4), (32, 128, 2, 3), (32, 128, 2, 4), (32, 256, 2, 3),
                   (16, 128, 1, 3), (16, 256, 1, 4))  # 16/32 rows: mma.sync on 1-2 warps

@@ -59,15 +59,22 @@ def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _operands(a, w, SWAP: tl.constexpr):
+    """(lhs, rhs) of `mma`'s dot: a @ w^T, or with SWAP w @ a^T."""
+    if SWAP:
+        lhs, rhs = w, tl.trans(a)
+    else:
+        lhs, rhs = a, tl.trans(w)
+    return lhs, rhs
+
+
+@triton.jit
 def mma(acc, a, w, SWAP: tl.constexpr, PRECISION: tl.constexpr):
     """acc + a @ w^T (a [BM, BK] tokens, w [BN, BK] weights; acc [BM, BN]), or with SWAP
     acc + w @ a^T (acc [BN, BM]): the weights fill the MMA's 64-row M side, so a block of a
     few tokens (decode) still runs on full tensor-core tiles fed from shared memory."""
-    if SWAP:
-        acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
-    else:
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-    return acc
+    lhs, rhs = _operands(a, w, SWAP)
+    return tl.dot(lhs, rhs, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -77,11 +84,8 @@ def mma_fp8(acc, a, w, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
     reduced precision, and Triton's default would never promote), so a wider K tile does not
     make the sum less precise."""
     PROMOTE: tl.constexpr = PROMOTE_EVERY if BLOCK_K > PROMOTE_EVERY else BLOCK_K
-    if SWAP:
-        acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
-    else:
-        acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
-    return acc
+    lhs, rhs = _operands(a, w, SWAP)
+    return tl.dot(lhs, rhs, acc, max_num_imprecise_acc=PROMOTE)
 
 
 @triton.jit

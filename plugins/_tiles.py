@@ -77,13 +77,12 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
     Triton's interpreter cannot run inline assembly). REGISTER_A: the tile is the MMA's A
     operand (weights on the M side), decoded byte by byte (see _E2M1X2_TO_BF16)."""
     per_word = tl.join(scales, scales).reshape(BLOCK_N, BLOCK_K // 8)  # 2 words per 16-block
-    if ASM and REGISTER_A:
-        return _tile_per_byte(words, (per_word * 3.32306998946229e+35).to(tl.bfloat16),
-                              BLOCK_N, BLOCK_K)
     if ASM:
+        scale_bf16 = (per_word * 3.32306998946229e+35).to(tl.bfloat16)  # * 2^118 (exact)
+        if REGISTER_A:
+            return _tile_per_byte(words, scale_bf16, BLOCK_N, BLOCK_K)
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _E2M1X8_TO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
-            [words, (per_word * 3.32306998946229e+35).to(tl.bfloat16)],  # * 2^118 (exact)
+            _E2M1X8_TO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scale_bf16],
             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
         s = per_word * 64.0
@@ -109,6 +108,7 @@ def load_nvfp4_tile(w_ptrs, s_ptrs, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl
     words = tl.load(w_ptrs, mask=row_mask, other=0)
     scales = tl.load(s_ptrs, mask=row_mask, other=0.0)
     return nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, REGISTER_A)
+
 
 @triton.jit
 def _tile_per_byte(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -215,6 +215,13 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
     )
 
 
+def launch_configs(numel: int, experts: int, config13=None, config2=None):
+    """(gate/up, down) launch shapes: `configs_for`'s, with DECODE for each GEMM the caller
+    left open where those put the weights on the MMA's M side."""
+    c13, c2 = configs_for(numel, experts, config13, config2)
+    return (DECODE if config13 is None and c13.swap else c13,
+            DECODE if config2 is None and c2.swap else c2)
+
 @register(OP, "triton")
 def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale,
                      w2_scale_2, direct=None, config13=None, config2=None):
@@ -228,9 +235,7 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
         return torch.empty_like(x)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2, x.dtype)
-    c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
-    c13 = DECODE if config13 is None and c13.swap else c13
-    c2 = DECODE if config2 is None and c2.swap else c2
+    c13, c2 = launch_configs(numel if not direct else 1, e, config13, config2)
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
     x = x.contiguous()
     hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)

@@ -167,16 +167,15 @@ def _moe_runner(fp8: bool):
 
 
 def moe_defaults(pairs: int, experts: int, fp8: bool = True):
-    """The (gate/up, down) shapes `_moe_common.configs_for` gives, or moe_nvfp4's own decode
-    shape where those swap (moe_fp8's launcher swaps in its own prefill gate/up shape; the
+    """The (gate/up, down) shapes `_moe_common.configs_for` gives, or for NVFP4 those of
+    moe_nvfp4's launcher (moe_fp8's launcher swaps in its own prefill gate/up shape; the
     search times the launcher's real choice as the default and derives alternatives from
     these)."""
-    from plugins._moe_common import DIRECT_MAX_PAIRS, default_config
-    from plugins.moe_nvfp4 import DECODE
+    from plugins._moe_common import DIRECT_MAX_PAIRS, configs_for
+    from plugins.moe_nvfp4 import launch_configs
 
     numel = 1 if pairs <= DIRECT_MAX_PAIRS else pairs
-    pair = default_config(numel, experts, True), default_config(numel, experts, False)
-    return pair if fp8 or not pair[0].swap else (DECODE, DECODE)
+    return configs_for(numel, experts, None, None) if fp8 else launch_configs(numel, experts)
 
 
 def _moe_changes(d, fp8: bool) -> list[dict]:
