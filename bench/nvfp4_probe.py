@@ -38,11 +38,15 @@ def main():
     opts = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     opts.add_argument("--once", help="bn,bk,warps,stages: three plain moe calls (for ncu)")
     opts.add_argument("--tokens", type=int, default=1, help="decode batch (<= 64)")
+    opts.add_argument("--split-probe", action="store_true",
+                      help="what split-K would buy: each GEMM over half of K on twice the pairs")
     opts = opts.parse_args()
     cfg = preset("beam-1.0-501b")
     packed = km.experts("nvfp4", cfg, seed=1)
     x, ids, w = km.routing(cfg, opts.tokens, seed=1)
     args = km.moe_args("nvfp4", x, ids, w, packed)
+    if opts.split_probe:
+        return split_probe(cfg, packed, x)
     if opts.once:
         c = G(*map(int, opts.once.split(",")))
         for _ in range(3):
@@ -67,6 +71,31 @@ def main():
     for c in SHAPES:
         row(f"linear {c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
             lambda: linear_nvfp4.linear_nvfp4_triton(*largs, config=c), want, floor)
+
+
+def split_probe(cfg, packed, x):
+    """Each decode GEMM alone at T=1 (8 experts, whole K) against the same bytes as 16 pairs
+    over the first half of K (what a 2-way split of K would launch, without its reduction)."""
+    e, h, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    perm = torch.randperm(e, device="cuda")
+    for gated, w, s, s2, n, k in ((True, "w13", "w13_scale", "w13_scale_2", inner, h),
+                                  (False, "w2", "w2_scale", "w2_scale_2", h, inner)):
+        for pairs, depth in ((8, k), (16, k // 2)):
+            ids = perm[:pairs].view(pairs // 8, 8).to(torch.int32)
+            a = torch.randn(pairs // 8 if gated else pairs, depth, device="cuda").to(torch.bfloat16)
+            words = packed[w][:, :, : depth // 2]
+            scales = packed[s][:, :, : depth // 16]
+            routing = moe_nvfp4.plan_routing(ids, e, 16, direct=True)
+            out = torch.empty(pairs, n, device="cuda", dtype=torch.bfloat16)
+            for c in (moe_nvfp4.DECODE, G(16, 128, 1, 3), G(32, 128, 2, 4)):
+                def run():
+                    moe_nvfp4._gemm(a, words, scales, packed[s2], out, routing, pairs, 8, n,
+                                    depth, gated, c)
+                    return out
+                us = time_graph_us(run)
+                print(f"{'gate/up' if gated else 'down':8s} {pairs:2d} pairs x K={depth:5d} "
+                      f"{c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s  {us:7.1f} us",
+                      flush=True)
 
 
 if __name__ == "__main__":

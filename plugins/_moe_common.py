@@ -3,18 +3,13 @@ expert (moe_align), the weighted combine and the launch configuration.
 
 Data flow of every MoE kernel (T tokens, k experts each, E experts, H hidden, I expert width):
 
-    moe_align(topk_ids)  -> sorted_slots [max_rows]   flat slot t*k+j of each row, padded per
-                            expert to a multiple of BLOCK_M with the sentinel T*k;
-                            block_expert [max_rows / BLOCK_M]  expert of each row block (-1: idle);
-                            num_rows [1]  rows in use (a device scalar: no host sync)
+    moe_align(topk_ids)  -> the sorted rows and their row blocks (plugins/_moe_sort.py)
     gemm13  rows r:      h[r] = silu(x[slot // k] @ gate_e^T) * (x[slot // k] @ up_e^T)   [max_rows, I]
     gemm2   rows r:      y[slot] = h[r] @ down_e^T                                    [T*k, H]
     combine:             out[t] = sum_j float(y[t*k+j]) * topk_weights[t, j]          [T, H]
 
-`max_rows` depends only on (T*k, E, BLOCK_M), never on the routing, so the buffers and grids
-are the same for every step of a given batch size: CUDA-graph safe. An expert with no tokens
-owns no block. For a few token-expert pairs (decode), the kernels skip the sort and give each
-pair its own row block ("direct" mode): no align launch, and each pair reads its expert once.
+For a few token-expert pairs (decode), the kernels skip the sort and give each pair its own
+row block ("direct" mode): no align launch, and each pair reads its expert once.
 """
 
 from __future__ import annotations
@@ -30,10 +25,12 @@ import triton.language as tl
 from ._checks import ACT_DTYPES, _expect, check_tensor
 from ._common import TL_DTYPES  # noqa: F401  (re-exported)
 from ._gemm import round_to
+from ._moe_sort import (  # noqa: F401  (re-exported)
+    Routing, max_row_blocks, max_sorted_rows, plan_routing, routing_ptrs, tail_ptrs,
+)
 from .registry import PluginError
 
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
-ONE_PROGRAM_ALIGN = 4096  # up to this many pairs the token sort is one program (one launch)
 
 
 # ---------------------------------------------------------------------------- input checks
@@ -106,132 +103,6 @@ def fake_moe(x: torch.Tensor, *args) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-# ---------------------------------------------------------------------------- token sorting
-@triton.jit
-def _align_kernel(ids_ptr, numel, sorted_ptr, block_expert_ptr, num_rows_ptr, cursor_ptr,
-                  max_rows, max_blocks, E: tl.constexpr, BINS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr):
-    # One program: count pairs per expert, pad each count to BLOCK_M, lay the experts out in
-    # order, then scatter each pair to its expert's next free row. Ranks come from atomics, so
-    # rows within an expert are unordered; each row's result does not depend on its position.
-    bins = tl.arange(0, BINS)
-    counts = tl.zeros([BINS], dtype=tl.int32)
-    for start in range(0, numel, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E).to(tl.int32)
-        counts += tl.histogram(ids, BINS)
-    counts = tl.where(bins < E, counts, 0)  # bin E collected the masked tail
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    tl.store(num_rows_ptr, total)
-    tl.store(cursor_ptr + bins, ends - padded)
-    for start in range(0, max_rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + numel, mask=offs < max_rows)
-    for start in range(0, max_blocks, NB):
-        blocks = start + tl.arange(0, NB)
-        first_row = blocks * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        expert = tl.where(first_row < total, expert, -1)
-        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
-    tl.debug_barrier()  # the cursors and the sentinel fill are visible before the scatter
-    for start in range(0, numel, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < numel
-        ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
-        row = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
-        tl.store(sorted_ptr + row, offs, mask=mask)
-
-
-@triton.jit
-def _count_kernel(ids_ptr, numel, counts_ptr, sorted_ptr, max_rows, E: tl.constexpr,
-                  BINS: tl.constexpr, CHUNK: tl.constexpr):
-    # Many programs (prefill): histogram of one chunk of pairs into the zeroed counts, and the
-    # sentinel fill of the same range of sorted rows.
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E).to(tl.int32)
-    bins = tl.arange(0, BINS)
-    tl.atomic_add(counts_ptr + bins, tl.histogram(ids, BINS), mask=bins < E)
-    tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + numel, mask=offs < max_rows)
-
-
-@triton.jit
-def _scatter_kernel(ids_ptr, numel, counts_ptr, fill_ptr, sorted_ptr, block_expert_ptr,
-                    num_rows_ptr, max_blocks, E: tl.constexpr, BINS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr):
-    # Every program derives the padded layout from the counts (E values), writes its share of
-    # the block -> expert map, then places its chunk of pairs at start[e] + (atomic) rank.
-    pid = tl.program_id(0)
-    bins = tl.arange(0, BINS)
-    counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    if pid == 0:
-        tl.store(num_rows_ptr, total)
-    blocks = pid * NB + tl.arange(0, NB)
-    first_row = blocks * BLOCK_M
-    expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-    tl.store(block_expert_ptr + blocks, tl.where(first_row < total, expert, -1),
-             mask=blocks < max_blocks)
-    offs = pid * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < numel
-    ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
-    rank = tl.atomic_add(fill_ptr + ids, 1, mask=mask)
-    start = tl.gather(ends - padded, ids, 0)
-    tl.store(sorted_ptr + start + rank, offs, mask=mask)
-
-
-@dataclass
-class Routing:
-    """Where each (token, expert) pair goes in the grouped GEMMs (see the module docstring)."""
-
-    direct: bool
-    block_m: int
-    m_blocks: int  # row blocks of the grid (pairs in direct mode)
-    rows: int  # rows of the intermediate buffer h
-    ids: torch.Tensor  # topk_ids, contiguous
-    sorted_slots: torch.Tensor | None = None
-    block_expert: torch.Tensor | None = None
-    num_rows: torch.Tensor | None = None
-
-
-def max_sorted_rows(numel: int, num_experts: int, block_m: int) -> int:
-    """Rows after padding every non-empty expert to block_m (at most min(numel, E) of them)."""
-    return triton.cdiv(numel + min(numel, num_experts) * (block_m - 1), block_m) * block_m
-
-
-def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, direct: bool) -> Routing:
-    ids = topk_ids.contiguous()
-    numel = ids.numel()
-    if direct:
-        return Routing(True, block_m, numel, numel, ids)
-    rows = max_sorted_rows(numel, num_experts, block_m)
-    dev = ids.device
-    sorted_slots = torch.empty(rows, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=dev)
-    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
-    bins = triton.next_power_of_2(num_experts + 1)
-    nb = max(16, 8192 // bins)
-    if numel <= ONE_PROGRAM_ALIGN:  # one launch: decode batches
-        cursor = torch.empty(bins, dtype=torch.int32, device=dev)
-        _align_kernel[(1,)](ids, numel, sorted_slots, block_expert, num_rows, cursor, rows,
-                            rows // block_m, E=num_experts, BINS=bins, BLOCK_M=block_m,
-                            CHUNK=1024, NB=nb, num_warps=8)
-    else:  # prefill: count, then scatter, over many programs (one program took 0.7 ms at 128K)
-        counts = torch.zeros(2 * bins, dtype=torch.int32, device=dev)  # counts, then cursors
-        chunk = 1024
-        _count_kernel[(triton.cdiv(max(numel, rows), chunk),)](
-            ids, numel, counts, sorted_slots, rows, E=num_experts, BINS=bins, CHUNK=chunk,
-            num_warps=4)
-        grid = max(triton.cdiv(numel, chunk), triton.cdiv(rows // block_m, nb))
-        _scatter_kernel[(grid,)](ids, numel, counts, counts[bins:], sorted_slots, block_expert,
-                                 num_rows, rows // block_m, E=num_experts, BINS=bins,
-                                 BLOCK_M=block_m, CHUNK=chunk, NB=nb, num_warps=4)
-    return Routing(False, block_m, rows // block_m, rows, ids, sorted_slots, block_expert, num_rows)
-
-
 # ---------------------------------------------------------------------------- row blocks
 @triton.jit
 def past_last_row(pid_m, num_rows_ptr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -253,6 +124,19 @@ def block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k
     gate/up; the h row for down), output channels offs_n [BLOCK_N] and their mask < N)."""
     expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
                                             DIRECT, BLOCK_M)
+    a_rows = (slots // top_k) if GATED else rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, slots, valid, rows, a_rows, offs_n, offs_n < N
+
+
+@triton.jit
+def block_tile_at(pid_m, pid_n, block_expert_ptr, block_start_ptr, sorted_ptr, numel, top_k, N,
+                  GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`block_tile` of a tail-block layout's row block pid_m (its first row from block_start)."""
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = tl.load(block_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows)
+    valid = slots < numel
     a_rows = (slots // top_k) if GATED else rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return expert, slots, valid, rows, a_rows, offs_n, offs_n < N
@@ -313,6 +197,7 @@ class GemmConfig:
     num_stages: int
     group_m: int = 8
     swap: bool = False  # weights on the MMA's M side (see `mma`)
+    tail_m: int = 0  # > 0: tail blocks of tail_m rows, weights on the M side (_moe_sort.py)
 
 
 def default_config(numel: int, num_experts: int, gated: bool, block_k: int = 128) -> GemmConfig:
@@ -329,17 +214,19 @@ def default_config(numel: int, num_experts: int, gated: bool, block_k: int = 128
     return GemmConfig(128, 64 if gated else 128, block_k, 8, 3)
 
 
-def routing_ptrs(routing: Routing) -> tuple:
-    """(ids, sorted_slots, block_expert, num_rows) kernel args; direct mode passes ids for the
-    three it never reads."""
-    if routing.direct:
-        return (routing.ids,) * 4
-    return routing.ids, routing.sorted_slots, routing.block_expert, routing.num_rows
-
-
-def configs_for(numel: int, num_experts: int, config13, config2, block_k: int = 128):
+def configs_for(numel: int, num_experts: int, config13, config2, block_k: int = 128,
+                tails: bool = False):
+    """(gate/up, down) launch shapes: the given ones, else `default_config`'s. `tails`: the
+    op's kernels run tail blocks (GemmConfig.tail_m; only moe_fp8's do)."""
     c13 = config13 or default_config(numel, num_experts, True, block_k)
     c2 = config2 or default_config(numel, num_experts, False, block_k)
     if c13.block_m != c2.block_m:
         raise PluginError(f"both GEMMs share one token sort: block_m {c13.block_m} != {c2.block_m}")
+    if c13.tail_m != c2.tail_m:
+        raise PluginError(f"both GEMMs share one token sort: tail_m {c13.tail_m} != {c2.tail_m}")
+    if c13.tail_m and not tails:
+        raise PluginError(f"tail_m={c13.tail_m}: this op's kernels have no tail blocks")
+    tail = c13.tail_m
+    if tail and (tail & (tail - 1) or not 16 <= tail < c13.block_m):
+        raise PluginError(f"tail_m={tail}: a power of two from 16 to below block_m={c13.block_m}")
     return c13, c2

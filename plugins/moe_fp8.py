@@ -37,14 +37,18 @@ from ._fp8_act import quant_fp8_per_tensor
 from ._checks import ACT_DTYPES, check_device, check_out_dtype
 from ._gemm import gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, combine, configs_for, past_last_row,
-    plan_routing, ref_moe, routing_ptrs,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, block_tile_at,
+    check_expert_weights, check_ids_in_range, check_routing, check_tensor, combine, configs_for,
+    past_last_row, plan_routing, ref_moe, routing_ptrs, tail_ptrs,
 )
 from .registry import dispatch, register
 from .tuning import tuned_moe
 
 OP = "moe_fp8"
+# Prefill: an expert's last <= 64 rows take a 64-row tail block, not a padded 128-row one
+# (_moe_sort.py). H200, 16K tokens (bench/moe_prefill_probe.py): sorted rows 1.126 -> 1.059 x
+# the pairs, 14.46-14.51 -> 14.24 ms; 32-row tails 14.26-14.32 ms.
+PREFILL_TAIL_M = 64
 FP8 = (torch.float8_e4m3fn,)
 
 
@@ -101,20 +105,50 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_sca
 # ---------------------------------------------------------------------------- triton
 @triton.jit
 def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
-                    ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-                    numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
-                    stride_om, ACT: tl.constexpr, GATED: tl.constexpr, DIRECT: tl.constexpr,
-                    SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                    ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, block_start_ptr,
+                    block_rows_ptr, numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn,
+                    stride_se, stride_om, ACT: tl.constexpr, GATED: tl.constexpr,
+                    DIRECT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    TAIL_M: tl.constexpr):
     # FP8 x FP8 on the tensor cores, promoted to FP32 every BLOCK_K, then * a_scale * w_scale[n].
     # GATED: h = silu(gate) * up (rounded to ACT as the reference), stored as FP8 codes of
     # h / out_scale (the down projection's static input scale). Else y[slot] in out's dtype.
+    # TAIL_M: row blocks come from block_start / block_rows; a tail block runs on a TAIL_M-row
+    # tile with the weights on the MMA's M side.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
-        return
-    expert, slots, valid, rows, a_rows, offs_n, n_mask = block_tile(
-        pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N, GATED, DIRECT,
-        BLOCK_M, BLOCK_N)
+    if TAIL_M == 0:
+        if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
+            return
+        tile = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N,
+                          GATED, DIRECT, BLOCK_M, BLOCK_N)
+        _fp8_tile(tile, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K,
+                  stride_am, stride_we, stride_wn, stride_se, stride_om, ACT, GATED, SWAP,
+                  BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        if tl.load(block_expert_ptr + pid_m) < 0:  # idle block
+            return
+        if tl.load(block_rows_ptr + pid_m) == TAIL_M:
+            tail = block_tile_at(pid_m, pid_n, block_expert_ptr, block_start_ptr, sorted_ptr,
+                                 numel, top_k, N, GATED, TAIL_M, BLOCK_N)
+            _fp8_tile(tail, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K,
+                      stride_am, stride_we, stride_wn, stride_se, stride_om, ACT, GATED, True,
+                      TAIL_M, BLOCK_N, BLOCK_K)
+        else:
+            full = block_tile_at(pid_m, pid_n, block_expert_ptr, block_start_ptr, sorted_ptr,
+                                 numel, top_k, N, GATED, BLOCK_M, BLOCK_N)
+            _fp8_tile(full, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K,
+                      stride_am, stride_we, stride_wn, stride_se, stride_om, ACT, GATED, SWAP,
+                      BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _fp8_tile(tile, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K, stride_am,
+              stride_we, stride_wn, stride_se, stride_om, ACT: tl.constexpr,
+              GATED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program's tile (`block_tile`'s tuple): the K loop, the epilogue and the store."""
+    expert, slots, valid, rows, a_rows, offs_n, n_mask = tile
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
@@ -138,11 +172,11 @@ def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, 
           act, cfg: GemmConfig):
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     _moe_fp8_kernel[grid](
-        a, a_scale, w, ws, out, out_scale, *routing_ptrs(routing), numel, top_k,
-        routing.m_blocks, n, k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0),
+        a, a_scale, w, ws, out, out_scale, *routing_ptrs(routing), *tail_ptrs(routing), numel,
+        top_k, routing.m_blocks, n, k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0),
         out.stride(0), ACT=TL_DTYPES[act], GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TAIL_M=routing.tail_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -159,12 +193,13 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
         return torch.empty(x.shape, dtype=act, device=x.device)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2)
-    c13, c2 = configs_for(numel if not direct else 1, e, config13, config2)
+    c13, c2 = configs_for(numel if not direct else 1, e, config13, config2, tails=True)
     if config13 is None and c13.block_m == 128:  # prefill: the H200 sweeps' best shapes
-        c13 = GemmConfig(128, 128, 128, 8, 3, swap=True)
+        tail_m = PREFILL_TAIL_M if config2 is None else config2.tail_m  # one token sort
+        c13 = GemmConfig(128, 128, 128, 8, 3, swap=True, tail_m=tail_m)
         if config2 is None:  # 4 warps: 14.42 vs 14.67 ms at 16K tokens (BENCHMARKS, run 4)
-            c2 = GemmConfig(128, 128, 128, 4, 3)
-    routing = plan_routing(topk_ids, e, c13.block_m, direct)
+            c2 = GemmConfig(128, 128, 128, 4, 3, tail_m=tail_m)
+    routing = plan_routing(topk_ids, e, c13.block_m, direct, 0 if direct else c13.tail_m)
     xq = x.contiguous() if x.dtype in FP8 else quant_fp8_per_tensor(x, a13_scale)
     hq = torch.empty((routing.rows, inner), dtype=FP8[0], device=x.device)
     _gemm(xq, a13_scale, w13, w13_scale, hq, a2_scale, routing, numel, top_k, inner, h, True,

@@ -176,10 +176,11 @@ def _parse_config(family: str, raw, where: str):
             raise TuningError(f"{where}: a {family} config is {{'w13': ..., 'w2': ...}}")
         pair = {part: None if raw[part] is None else _gemm(raw[part], f"{where} {part}")
                 for part in ("w13", "w2")}
-        if pair["w13"] is not None and pair["w2"] is not None and \
-                pair["w13"].block_m != pair["w2"].block_m:
-            raise TuningError(f"{where}: w13 and w2 share one token sort; block_m "
-                              f"{pair['w13'].block_m} != {pair['w2'].block_m}")
+        w13, w2 = pair["w13"], pair["w2"]
+        if w13 is not None and w2 is not None and \
+                (w13.block_m, w13.tail_m) != (w2.block_m, w2.tail_m):
+            raise TuningError(f"{where}: w13 and w2 share one token sort; block_m / tail_m "
+                              f"{w13.block_m} / {w13.tail_m} != {w2.block_m} / {w2.tail_m}")
         return pair
     if not isinstance(raw, dict) or not raw:
         raise TuningError(f"{where}: an {family} config is a non-empty object")
@@ -208,6 +209,11 @@ def _gemm(raw, where: str) -> GemmConfig:
     _positive_int(config.num_stages, f"{where} num_stages")
     if not isinstance(config.swap, bool):
         raise TuningError(f"{where}: swap must be true or false, got {config.swap!r}")
+    tail = config.tail_m
+    if isinstance(tail, bool) or not isinstance(tail, int) or \
+            (tail and (tail & (tail - 1) or not 16 <= tail < config.block_m)):
+        raise TuningError(f"{where}: tail_m must be 0 or a power of two from 16 to below "
+                          f"block_m={config.block_m}, got {tail!r}")
     return config
 
 

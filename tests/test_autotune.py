@@ -85,6 +85,10 @@ def test_hooks_look_up_what_the_launchers_run():
      "block_n must be a power of two"),
     ({"key": ["moe_fp8", 1, 8, 32, 64], "config": {"w13": vars(GEMM), "w2": {**vars(GEMM), "block_m": 64}}},
      "share one token sort"),
+    ({"key": ["moe_fp8", 1, 8, 32, 64],
+      "config": {"w13": {**vars(GEMM), "block_m": 128, "tail_m": 64},
+                 "w2": {**vars(GEMM), "block_m": 128}}},
+     "share one token sort"),
     ({"key": list(next(iter(k for k in ENTRIES if k[0] == "attention_decode"))),
       "config": {"BLOCK_M": 64}}, "unknown attention_decode setting 'BLOCK_M'"),
 ])
@@ -92,6 +96,15 @@ def test_bad_tables_are_refused_and_install_nothing(entry, reason):
     good = tuning.to_json(ENTRIES)["entries"]
     with pytest.raises(tuning.TuningError, match=f"entry {len(good)}: .*{reason}"):
         tuning.install({"entries": good + [entry]})
+    assert tuning.installed() == {}
+
+
+@pytest.mark.parametrize("tail_m", [24, 8, 128, True])
+def test_tail_blocks_must_fit_the_row_blocks(tail_m):
+    entry = {"key": ["moe_fp8", 1, 8, 32, 64],
+             "config": {"w13": {**vars(GEMM), "block_m": 128, "tail_m": tail_m}, "w2": None}}
+    with pytest.raises(tuning.TuningError, match="w13: tail_m must be 0 or a power of two"):
+        tuning.install({"entries": [entry]})
     assert tuning.installed() == {}
 
 

@@ -68,3 +68,26 @@ def resource_usage(kernel) -> dict[str, int]:
         text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name],
                               capture_output=True, text=True, check=True).stdout
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def _sass_lines(kernel) -> list[tuple[int, str]]:
+    """(address, instruction) of the kernel's SASS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    return [(int(addr, 16), code) for addr, code in
+            re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+
+
+def spills_in_loops(kernel) -> int:
+    """Local-memory loads and stores (STL / LDL) inside a loop of the SASS (a loop: the range
+    from a backward branch's target to the branch). A spill outside every loop costs a few
+    instructions a program; inside the K loop it costs every step."""
+    lines = _sass_lines(kernel)
+    loops = [(int(target, 16), addr) for addr, code in lines
+             for target in re.findall(r"\bBRA\b.*?0x([0-9a-f]+)", code)
+             if int(target, 16) < addr]
+    return sum(1 for addr, code in lines if re.search(r"\b(STL|LDL)\b", code)
+               and any(lo <= addr <= hi for lo, hi in loops))

@@ -12,7 +12,7 @@ from _moe_testdata import activation_scales, dense_experts, moe_args, pack_exper
 from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE, on_cpu
-from plugins import _moe_common, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
+from plugins import _moe_common, _moe_sort, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
 
 pytestmark = pytest.mark.kernel
 
@@ -104,28 +104,94 @@ def test_single_token_and_empty_batch():
     assert kernel(*empty).shape == (0, args[0].shape[1])
 
 
-@pytest.mark.parametrize("t,experts,one_program", [(1, None, 4096), (37, 5, 4096), (40, 1, 4096),
-                                                  (37, 5, 16), (300, None, 64)])
-def test_align_places_every_pair_exactly_once(t, experts, one_program, monkeypatch):
+def _expected_layout(counts, block_m, tail_m):
+    """Each expert's padded rows and (first row, tile rows) of its blocks, from the counts."""
+    layout, row = [], 0
+    for count in counts.tolist():
+        blocks = [(row + i * block_m, block_m) for i in range(count // block_m)]
+        rem = count % block_m
+        if rem:
+            size = tail_m if 0 < rem <= tail_m else block_m
+            blocks.append((row + count // block_m * block_m, size))
+        padded = sum(size for _, size in blocks)
+        layout.append((row, padded, blocks))
+        row += padded
+    return layout
+
+
+def _ids_with_counts(counts, k):
+    """[T, k] expert ids, k distinct per token, expert e taking counts[e] pairs (each <= T)."""
+    labels = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    t = len(labels) // k
+    return labels.view(k, t).t().contiguous().to(torch.int32)  # row t: labels t, t+T, ...
+
+
+# tail blocks: remainders of 0, 1..tail, > tail rows, empty experts, several full blocks
+SKEWED = [70, 100, 16, 17, 0, 64, 5, 33]
+
+
+@pytest.mark.parametrize("t,experts,one_program,tail_m",
+                         [(1, None, 4096, 0), (37, 5, 4096, 0), (40, 1, 4096, 0), (37, 5, 16, 0),
+                          (300, None, 64, 0), ("skewed", None, 4096, 16),
+                          ("skewed", None, 64, 16), ("skewed", None, 4096, 32),
+                          (300, None, 64, 32)])
+def test_align_places_every_pair_exactly_once(t, experts, one_program, tail_m, monkeypatch):
     # one_program < T*k takes the many-program path (count, then scatter) used for prefill
-    monkeypatch.setattr(_moe_common, "ONE_PROGRAM_ALIGN", one_program)
-    k, block_m = (1, 16) if experts == 1 else (K, 16)
-    ids, _ = random_routing(t, E, k, seed=t, experts=experts)
-    r = _moe_common.plan_routing(ids.to(KERNEL_DEVICE), E, block_m, direct=False)
-    r = _moe_common.Routing(r.direct, r.block_m, r.m_blocks, r.rows, r.ids.cpu(),
-                            r.sorted_slots.cpu(), r.block_expert.cpu(), r.num_rows.cpu())
+    monkeypatch.setattr(_moe_sort, "ONE_PROGRAM_ALIGN", one_program)
+    k, block_m = (1, 16) if experts == 1 else (K, 16 if tail_m == 0 else 64)
+    if t == "skewed":
+        ids = _ids_with_counts(SKEWED, 1)
+    else:
+        ids, _ = random_routing(t, E, k, seed=t, experts=experts)
+    r = _moe_common.plan_routing(ids.to(KERNEL_DEVICE), E, block_m, direct=False, tail_m=tail_m)
     numel = ids.numel()
     assert r.rows == _moe_common.max_sorted_rows(numel, E, block_m)
-    counts = torch.bincount(ids.flatten().long(), minlength=E)
-    padded = (counts + block_m - 1) // block_m * block_m
-    assert int(r.num_rows) == int(padded.sum())
-    starts = torch.cumsum(padded, 0) - padded
-    slots, owners = r.sorted_slots.long(), r.block_expert.long()
-    for e in range(E):
-        rows = slots[starts[e]: starts[e] + padded[e]]
+    assert r.m_blocks == _moe_common.max_row_blocks(numel, E, block_m, tail_m)
+    slots, owners = r.sorted_slots.long().cpu(), r.block_expert.long().cpu()
+    layout = _expected_layout(torch.bincount(ids.flatten().long(), minlength=E), block_m, tail_m)
+    block = 0
+    for e, (start, padded, blocks) in enumerate(layout):
+        rows = slots[start: start + padded]
         want = (ids.flatten() == e).nonzero().flatten()
         assert sorted(rows[rows < numel].tolist()) == want.tolist()
         assert (rows[rows >= numel] == numel).all()  # padding holds the sentinel
-        assert (owners[starts[e] // block_m: (starts[e] + padded[e]) // block_m] == e).all()
-    assert (slots[int(r.num_rows):] == numel).all()
-    assert (owners[int(r.num_rows) // block_m:] == -1).all()
+        for first_row, size in blocks:
+            assert int(owners[block]) == e
+            if tail_m:
+                assert (int(r.block_start[block]), int(r.block_rows[block])) == (first_row, size)
+            else:
+                assert first_row == block * block_m
+            block += 1
+    total = sum(padded for _, padded, _ in layout)
+    assert int(r.num_rows.cpu()) == total
+    assert (slots[total:] == numel).all()
+    assert (owners[block:] == -1).all()
+    if t == "skewed":  # the layout has tail blocks and blocks padded whole
+        assert (r.block_rows[:block] == tail_m).any() and (r.block_rows[:block] == 64).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_tail_blocks(dtype):
+    """moe_fp8 on the tail-block layout (prefill's): an expert's last <= 16 rows on a 16-row
+    tile with the weights on the MMA's M side, the other blocks on 32-row tiles, both GEMMs.
+    Counts: 40 = 32 + 8 (tail), 22 (padded whole), 12 and 16 (tails), 38 = 32 + 6, 5, 27."""
+    ids = _ids_with_counts([40, 22, 12, 16, 0, 38, 5, 27], K)
+    args = _case("fp8", dtype, ids.shape[0], seed=11, ids=ids)
+    gemm = _moe_common.GemmConfig
+    out = moe_fp8.moe_fp8_triton(*args, direct=False, config13=gemm(32, 32, 64, 4, 2, tail_m=16),
+                                 config2=gemm(32, 32, 64, 4, 2, tail_m=16))
+    torch.testing.assert_close(out.cpu(), moe_fp8.ref_moe_fp8(*on_cpu(args)),
+                               **_tolerance("fp8", dtype))
+
+
+@pytest.mark.parametrize("fmt,c13,c2,reason", [
+    ("nvfp4", (64, 32, 64, 4, 2, 16), (64, 32, 64, 4, 2, 16), "no tail blocks"),
+    ("fp8", (64, 32, 64, 4, 2, 16), (64, 32, 64, 4, 2, 0), "tail_m 16 != 0"),
+    ("fp8", (64, 32, 64, 4, 2, 24), (64, 32, 64, 4, 2, 24), "power of two from 16"),
+    ("fp8", (32, 32, 64, 4, 2, 32), (32, 32, 64, 4, 2, 32), "below block_m=32"),
+])
+def test_tail_block_configs_are_checked(fmt, c13, c2, reason):
+    args = _case(fmt, torch.bfloat16, 17, seed=4)
+    gemm = lambda *c: _moe_common.GemmConfig(*c[:5], tail_m=c[5])  # noqa: E731
+    with pytest.raises(Exception, match=reason):
+        KERNELS[fmt][0](*args, direct=False, config13=gemm(*c13), config2=gemm(*c2))
