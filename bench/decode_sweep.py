@@ -1,7 +1,8 @@
 """Launch-shape sweeps for the small kernels of a batch-1 decode step (H200), and an
 experimental chunked add_rmsnorm for the 16K-token prefill boundary.
 
-    PYTHONPATH=. python3 bench/decode_sweep.py [--only attn,linear,linear_nvfp4,norm1,norm16k]
+    PYTHONPATH=. python3 bench/decode_sweep.py
+        [--only attn,linear,linear_nvfp4,linear_split,norm1,norm16k]
         [--out DIR]
 
 - attn: decode attention at batch 1 on a sliding layer's 512-slot ring and on a full layer's
@@ -10,6 +11,8 @@ experimental chunked add_rmsnorm for the 16K-token prefill boundary.
 - linear / linear_nvfp4: linear_fp8's (FP8 codes in) / linear_nvfp4's swap-AB Triton GEMM at
   M = 1 on q/k/v [8192 x 5120] and o_proj [5120 x 6144] over tile shapes, warps (16/32-row
   tiles on one or two warps run mma.sync) and depths (the default is `_tiles.linear_config`);
+  linear_split: linear_fp8 on twice the rows over half of K (a 2-way split-K without its
+  reduction);
 - norm1: add_rmsnorm and add_rmsnorm_fp8 at one token (graph replays), over warps;
 - norm16k: add_rmsnorm [16384, 5120] (bytes: read h, y; write h', x) with the shipped kernel
   and a chunked variant that walks each row in 1024-channel chunks (no idle lanes for
@@ -87,12 +90,17 @@ LINEAR_TILES = [(16, 1), (32, 2), (32, 4), (64, 4), (128, 4)]  # (block_n, warps
 # weight tiles run on mma.sync (one or two warps), 64+ on one warpgroup's wgmma
 
 
-def sweep_linear(cfg, ceil, fmt="fp8"):
+def sweep_linear(cfg, ceil, fmt="fp8", split=1):
+    """split > 1: each projection as `split` x the rows over 1/split of K (the same bytes):
+    what a split-K launch would cost before its reduction."""
     h, out = cfg.hidden_size, {}
     q_out = cfg.num_attention_heads * cfg.head_dim
     shapes = {"qkv": (q_out + 2 * cfg.num_key_value_heads * cfg.head_dim, h),
               "o_proj": (h, q_out)}
+    tiles = LINEAR_TILES if split == 1 else [(64, 4), (32, 2)]
     for name, (n, k) in shapes.items():
+        n, k = n * split, k // split
+        name += f" split-K {split} (emulated)" if split > 1 else ""
         x, w, *scales = _linear_inputs(fmt, n, k)
         op = linear_fp8_triton if fmt == "fp8" else linear_nvfp4_triton
         tail = (BF16,) if fmt == "fp8" else ()
@@ -103,7 +111,7 @@ def sweep_linear(cfg, ceil, fmt="fp8"):
         ws_all = [w] + [w.clone() for _ in range(copies - 1)]
         want = op(x, w, *scales, *tail)
         grid = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw)
-                for bn, nw in LINEAR_TILES for bk in (128, 256) for st in (3, 4, 6)]
+                for bn, nw in tiles for bk in (128, 256) for st in (3, 4, 6)]
 
         def timed(conf, x=x, scales=scales, want=want, ws_all=ws_all, op=op, tail=tail):
             gc = GemmConfig(16, conf["block_n"], conf["block_k"], conf["num_warps"],
@@ -231,7 +239,8 @@ def main() -> None:
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
     sweeps = {"attn": sweep_attn, "linear": sweep_linear, "norm1": sweep_norm1,
               "norm16k": sweep_norm16k,
-              "linear_nvfp4": lambda cfg, ceil: sweep_linear(cfg, ceil, "nvfp4")}
+              "linear_nvfp4": lambda cfg, ceil: sweep_linear(cfg, ceil, "nvfp4"),
+              "linear_split": lambda cfg, ceil: sweep_linear(cfg, ceil, "fp8", split=2)}
     results = {}
     for name in args.only.split(","):
         results |= sweeps[name](cfg, ceil)
