@@ -7,7 +7,9 @@ experimental chunked add_rmsnorm for the 16K-token prefill boundary.
 
 - attn: decode attention at batch 1 on a sliding layer's 512-slot ring and on a full layer's
   paged cache at 2K context (the engine bench's layers), over key tile, split length and
-  pipeline depth (DECODE_CONFIG's BLOCK_N_SHORT / min_split / num_stages);
+  pipeline depth (DECODE_CONFIG's BLOCK_N_SHORT / min_split / num_stages), and one split
+  (one program per KV head writes the output itself: no combine launch) over tile, depth
+  and warps;
 - linear / linear_nvfp4: linear_fp8's (FP8 codes in) / linear_nvfp4's swap-AB Triton GEMM at
   M = 1 on q/k/v [8192 x 5120] and o_proj [5120 x 6144] over tile shapes, warps (16/32-row
   tiles on one or two warps run mma.sync) and depths (the default is `_tiles.linear_config`);
@@ -76,6 +78,8 @@ def sweep_attn(cfg, ceil):
         seen = min(2048, cfg.sliding_window - 1) if case["window"] else 2048
         grid = [dict(BLOCK_N_SHORT=n, min_split_short=s, num_stages_short=st)
                 for n in (32, 64) for s in (32, 64, 128, 256) for st in (2, 3)]
+        grid += [dict(BLOCK_N_SHORT=n, splits=1, num_stages_short=st, num_warps=w)
+                 for n in (32, 64, 128) for st in (2, 3, 4) for w in (4, 8)]  # no combine
 
         def timed(conf, args=args, want=want):
             fn = lambda: _attention_decode.launch_decode(**args, config=conf)  # noqa: E731

@@ -5,8 +5,10 @@ use 8 of the H200's 132 SMs. The cached keys of each pair are cut into NUM_SPLIT
 ranges, each program folds one range into a partial (max, sum, output) for the G query heads
 of its KV head (G rows of one tensor-core tile, so K/V are read once per group), and a second
 kernel merges the partials, applies the gate and writes the output (or, given the o_proj's
-input scale, its FP8 codes). NUM_SPLITS comes from
-shapes only (batch, heads, the cache's addressable length), so the launch is CUDA-graph safe.
+input scale, its FP8 codes). With one split (batches of >= 2 * SMs / Hkv sequences, or short
+caches) the split program writes the output itself and the combine is not launched. NUM_SPLITS
+comes from shapes only (batch, heads, the cache's addressable length), so the launch is
+CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ DECODE_CONFIG = dict(BLOCK_N=128, BLOCK_N_SHORT=64, short_capacity=2048, num_war
 
 @triton.jit
 def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, hist_ptr, index_ptr,
-                         ks_ptr, vs_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-                         stride_kn, stride_knh, stride_vn, stride_vnh, M, block_size, stride_blk,
-                         stride_row, stride_head, window, qk_scale,
+                         ks_ptr, vs_ptr, part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr,
+                         out_scale_ptr, stride_kn, stride_knh, stride_vn, stride_vnh, M,
+                         block_size, stride_blk, stride_row, stride_head, window, qk_scale,
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
-                         DOT_PREC: tl.constexpr):
+                         DOT_PREC: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr):
+    # NUM_SPLITS == 1: one program holds the whole context of its (sequence, KV head) and
+    # writes the gated output itself (what the combine does with one split, bit for bit).
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, BLOCK_G)
@@ -86,10 +90,26 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
         l_i = l_i * alpha + p1
         acc = acc * alpha[:, None] + p1[:, None] * v1.to(tl.float32)[None, :]
         m_i = m_new
-    part = ((b * HKV + h) * NUM_SPLITS + split).to(tl.int64) * G
-    tl.store(part_o_ptr + (part + g[:, None]) * D + d[None, :], acc, mask=gd_mask)
-    tl.store(part_m_ptr + part + g, m_i, mask=g < G)
-    tl.store(part_l_ptr + part + g, l_i, mask=g < G)
+    if NUM_SPLITS == 1:
+        _gated_output(acc, l_i, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_mask, HQ, G,
+                      D, ACT, OUT_FP8)
+    else:
+        part = ((b * HKV + h) * NUM_SPLITS + split).to(tl.int64) * G
+        tl.store(part_o_ptr + (part + g[:, None]) * D + d[None, :], acc, mask=gd_mask)
+        tl.store(part_m_ptr + part + g, m_i, mask=g < G)
+        tl.store(part_l_ptr + part + g, l_i, mask=g < G)
+
+
+@triton.jit
+def _gated_output(acc, total, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_mask,
+                  HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ACT: tl.constexpr,
+                  OUT_FP8: tl.constexpr):
+    """out[b, h*G + g] = acc / total * gate (0 for a row without keys), in ACT or FP8 codes."""
+    heads = h * G + g
+    gate = tl.load(gate_ptr + b * HQ + heads, mask=g < G, other=0.0)
+    o = acc / tl.where(total == 0.0, 1.0, total)[:, None] * gate[:, None]
+    store_output(out_ptr, (b * HQ + heads[:, None]).to(tl.int64) * D + d[None, :], o, gd_mask,
+                 out_scale_ptr, ACT, OUT_FP8)
 
 
 @triton.jit
@@ -118,11 +138,8 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
         o_i = tl.load(part_o_ptr + (base + i * G + g[:, None]) * D + d[None, :], mask=gd_mask,
                       other=0.0)
         acc += w_i[:, None] * o_i
-    heads = h * G + g
-    gate = tl.load(gate_ptr + b * HQ + heads, mask=g < G, other=0.0)
-    o = acc / tl.where(total == 0.0, 1.0, total)[:, None] * gate[:, None]
-    store_output(out_ptr, (b * HQ + heads[:, None]).to(tl.int64) * D + d[None, :], o, gd_mask,
-                 out_scale_ptr, ACT, OUT_FP8)
+    _gated_output(acc, total, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_mask, HQ, G, D,
+                  ACT, OUT_FP8)
 
 
 def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device,
@@ -147,22 +164,26 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
     per_sm = cfg["programs_per_sm_fp8" if is_fp8(k_cache.dtype) else "programs_per_sm"]
     splits = cfg.get("splits") or num_splits(b, hkv, capacity, block_n, q.device, per_sm,
                                              cfg["min_split_short" if short else "min_split"])
-    part_o = q.new_empty(b, hkv, splits, g, d, dtype=torch.float32)
-    part_m = q.new_empty(b, hkv, splits, g, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
+    out = q.new_empty(b, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
+    out_scale = gate if out_scale is None else out_scale  # (a pointer the kernels never read)
     block_g, block_d = max(16, next_pow2(g)), max(16, next_pow2(d))
+    if splits == 1:  # no partials, no combine launch
+        part_o = part_m = part_l = out
+    else:
+        part_o = q.new_empty(b, hkv, splits, g, d, dtype=torch.float32)
+        part_m = q.new_empty(b, hkv, splits, g, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+    common = dict(HQ=hq, HKV=hkv, G=g, D=d, BLOCK_D=block_d, NUM_SPLITS=splits,
+                  ACT=TL_DTYPES[q.dtype], OUT_FP8=out.dtype == FP8_DTYPE)
     _decode_split_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, q_start, hist_start, cache_index, k_scale, v_scale,
-        part_o, part_m, part_l, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        m, block_size, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window,
-        LOG2E / d**0.5, HQ=hq, HKV=hkv, G=g, D=d, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_SPLITS=splits, IS_FP8=is_fp8(k_cache.dtype),
-        DOT_PREC=dot_precision(q.dtype),
+        part_o, part_m, part_l, gate, out, out_scale, k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1), m, block_size, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), window, LOG2E / d**0.5, BLOCK_G=block_g, BLOCK_N=block_n,
+        IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype), **common,
         num_warps=cfg["num_warps"], num_stages=stages)
-    out = q.new_empty(b, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
-    _decode_combine_kernel[(b, hkv)](
-        part_o, part_m, part_l, gate, out, gate if out_scale is None else out_scale, HQ=hq,
-        HKV=hkv, G=g, D=d, BLOCK_G=next_pow2(g), BLOCK_D=block_d, NUM_SPLITS=splits,
-        BLOCK_S=next_pow2(splits), ACT=TL_DTYPES[q.dtype], OUT_FP8=out_scale is not None,
-        num_warps=4)
+    if splits > 1:
+        _decode_combine_kernel[(b, hkv)](
+            part_o, part_m, part_l, gate, out, out_scale, BLOCK_G=next_pow2(g),
+            BLOCK_S=next_pow2(splits), **common, num_warps=4)
     return out

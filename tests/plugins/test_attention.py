@@ -133,3 +133,32 @@ def test_fp8_output_is_the_quantized_output(device, step):
     want = quantize_fp8_activation(out, scale)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert (got.float().abs() == 448).any() and not got.float().isnan().any()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+@pytest.mark.parametrize("kv_dtype,fp8_out", [(torch.bfloat16, False), (FP8_DTYPE, True)])
+def test_decode_one_split_writes_what_the_combine_writes(kind, kv_dtype, fp8_out, monkeypatch):
+    """One split per KV head: the split program writes the gated output (or its FP8 codes)
+    itself and no combine runs; several: partials merged by the combine. Same result."""
+    from plugins import _attention_decode
+
+    case = attention_case(DECODE[kind], 6, 2, 32, 8 if kind == "sliding" else 0, 16,
+                          torch.bfloat16, kv_dtype, seed=6, device=KERNEL_DEVICE)
+    if fp8_out:
+        case["out_scale"] = torch.tensor(0.01, device=KERNEL_DEVICE)
+    outs = {}
+    for splits in (1, 3):
+        monkeypatch.setattr(_attention_decode, "num_splits", lambda *a, n=splits: n)
+        outs[splits] = torch.ops.beam.attention(**case).cpu()
+    want = ref_attention(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                            for k, v in case.items()})
+    # the attention entry of the tolerance table; for FP8 codes on the decoded values
+    # (codes * out_scale), plus one E4M3 step (1/8 relative at most) where the kernel's output
+    # and the reference's round to neighbouring codes
+    atol, rtol = tol("attention", torch.bfloat16).values()
+    scale = 0.01 if fp8_out else 1.0
+    for splits, got in outs.items():
+        torch.testing.assert_close(got.float() * scale, want.float() * scale, atol=atol,
+                                   rtol=rtol + (0.125 if fp8_out else 0.0),
+                                   msg=f"{splits} splits")

@@ -38,12 +38,16 @@ CFG = BeamConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_int
                  topk_group=2, sliding_window=16, layer_types=(SLIDING, SLIDING, FULL),
                  max_position_embeddings=4096)
 
+# At these shapes each KV head's keys fit one split, whose program writes the output (FP8
+# codes) itself; at Beam's on the H200 the keys are split over the SMs and a combine kernel
+# merges them (SPLIT_COMBINE: one launch more, counted by bench/engine_bench.py's profiler).
 ATTENTION = ["_linear_fp8_kernel",  # q/k/v, on FP8 codes from the previous boundary
              "_qk_prep_kernel",  # + the BF16 gate GEMM
-             "_decode_split_kernel", "_decode_combine_kernel",  # the combine writes FP8 codes
+             "_decode_split_kernel",
              "_linear_fp8_kernel",  # o_proj
              "_add_rmsnorm_kernel", "_router_logits_kernel", "_router_select_kernel"]
 BOUNDARY = ["_add_rmsnorm_kernel"]  # -> the next layer's input (and its FP8 codes)
+SPLIT_COMBINE = 1
 EXPECTED = {
     "fp8": ATTENTION + ["_moe_fp8_kernel", "_moe_fp8_kernel", "_combine_kernel"] + BOUNDARY,
     "nvfp4": ATTENTION + ["_moe_nvfp4_kernel", "_moe_nvfp4_kernel", "_combine_kernel"] + BOUNDARY,
@@ -99,4 +103,4 @@ def test_moe_layer_decode_step_launches_at_most_13_kernels(engines, recipe, monk
             with recorded_launches() as launches:
                 model.layer(i, h, x, xq, s)
         assert [n.removeprefix("triton::") for n in launches] == EXPECTED[recipe], f"layer {i}"
-    assert len(EXPECTED[recipe]) <= 13
+    assert len(EXPECTED[recipe]) + SPLIT_COMBINE <= 13
