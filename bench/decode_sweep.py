@@ -114,11 +114,14 @@ def sweep_linear(cfg, ceil, fmt="fp8", split=1):
         copies = 1 if kb.SMOKE else max(2, -(-160_000_000 // nbytes))
         ws_all = [w] + [w.clone() for _ in range(copies - 1)]
         want = op(x, w, *scales, *tail)
-        grid = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw)
+        grid = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw, block_m=16)
                 for bn, nw in tiles for bk in (128, 256) for st in (3, 4, 6)]
+        if fmt == "nvfp4":  # 8-token tiles: half the MMAs and activation fragments at M = 1
+            grid += [dict(block_n=bn, block_k=128, num_stages=st, num_warps=nw, block_m=8)
+                     for bn, nw in tiles for st in (3, 4, 6)]
 
         def timed(conf, x=x, scales=scales, want=want, ws_all=ws_all, op=op, tail=tail):
-            gc = GemmConfig(16, conf["block_n"], conf["block_k"], conf["num_warps"],
+            gc = GemmConfig(conf["block_m"], conf["block_n"], conf["block_k"], conf["num_warps"],
                             conf["num_stages"], swap=True)
             checked(lambda: op(x, ws_all[0], *scales, *tail, config=gc), want, exact=False)
 

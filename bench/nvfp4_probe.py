@@ -20,9 +20,10 @@ from kernels import time_graph_us
 from plugins import linear_nvfp4, moe_nvfp4
 from plugins._moe_common import GemmConfig
 
-G = lambda bn, bk, nw, st: GemmConfig(16, bn, bk, nw, st, swap=True)  # noqa: E731
+G = lambda bn, bk, nw, st, bm=16: GemmConfig(bm, bn, bk, nw, st, swap=True)  # noqa: E731
 SHAPES = [G(64, 128, 4, 4), G(32, 128, 2, 3), G(32, 128, 2, 4), G(16, 128, 1, 3),
-          G(16, 128, 1, 4), G(32, 64, 2, 3)]
+          G(16, 128, 1, 4), G(32, 64, 2, 3), G(32, 128, 2, 3, 8), G(32, 128, 2, 4, 8),
+          G(16, 128, 1, 3, 8), G(16, 128, 1, 4, 8), G(64, 128, 4, 4, 8)]
 
 
 def row(name, fn, want, floor_us):
@@ -59,7 +60,7 @@ def main():
     print(f"moe_nvfp4 T={opts.tokens}: floor {floor:.1f} us")
     row("moe default", lambda: moe_nvfp4.moe_nvfp4_triton(*args), want, floor)
     for c in SHAPES:
-        row(f"moe both {c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
+        row(f"moe both {c.block_m}x{c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
             lambda: moe_nvfp4.moe_nvfp4_triton(*args, config13=c, config2=c), want, floor)
     n, k = 8240, cfg.hidden_size  # q/k/v + gate
     largs = linear_args("nvfp4", x.cpu(), n=n, seed=2)
@@ -69,7 +70,7 @@ def main():
     print(f"linear_nvfp4 M={opts.tokens} [{k} -> {n}]: floor {floor:.1f} us")
     row("linear default", lambda: linear_nvfp4.linear_nvfp4_triton(*largs), want, floor)
     for c in SHAPES:
-        row(f"linear {c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
+        row(f"linear {c.block_m}x{c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
             lambda: linear_nvfp4.linear_nvfp4_triton(*largs, config=c), want, floor)
 
 

@@ -135,6 +135,11 @@ def linear_config(m: int, dtype_bytes: float):
     if m <= 64:  # FP8 at M = 1: 6 stages of 256-deep K tiles (H200 sweep with the weights
         if dtype_bytes == 1:  # out of L2, bench/decode_sweep.py, 2026-11-29)
             return GemmConfig(16, 64, 256, 4, 6, swap=True)
+        if dtype_bytes == 0.5 and m <= 8:  # NVFP4: 8-token tiles halve the MMAs and the
+            # activation fragments (moved into each mma.sync's register pair) a K step; 32
+            # weight rows on 2 warps (H200, weights out of L2, M = 1, bench/decode_sweep.py:
+            # q/k/v [8192 x 5120] 17.74 -> 16.95 us, o_proj 20.27 -> 20.23 against 16 x 16)
+            return GemmConfig(8, 32, 128, 2, 4, swap=True)
         if dtype_bytes == 0.5 and m <= 16:  # NVFP4: 16-row one-warp tiles (mma.sync), 4x the
             # programs of a 64-row warpgroup tile (H200, weights out of L2, M = 1,
             # bench/decode_sweep.py: q/k/v [8192 x 5120] 20.1 -> 18.5 us, o_proj 23.3 -> 21.1)

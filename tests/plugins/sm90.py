@@ -81,13 +81,18 @@ def _sass_lines(kernel) -> list[tuple[int, str]]:
             re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
 
 
-def spills_in_loops(kernel) -> int:
-    """Local-memory loads and stores (STL / LDL) inside a loop of the SASS (a loop: the range
-    from a backward branch's target to the branch). A spill outside every loop costs a few
-    instructions a program; inside the K loop it costs every step."""
+def in_loops(kernel, opcode: str) -> int:
+    """Instructions matching the regex `opcode` inside a loop of the SASS (a loop: the range
+    from a backward branch's target to the branch)."""
     lines = _sass_lines(kernel)
     loops = [(int(target, 16), addr) for addr, code in lines
              for target in re.findall(r"\bBRA\b.*?0x([0-9a-f]+)", code)
              if int(target, 16) < addr]
-    return sum(1 for addr, code in lines if re.search(r"\b(STL|LDL)\b", code)
+    return sum(1 for addr, code in lines if re.search(opcode, code)
                and any(lo <= addr <= hi for lo, hi in loops))
+
+
+def spills_in_loops(kernel) -> int:
+    """Local-memory loads and stores (STL / LDL) inside a loop. A spill outside every loop
+    costs a few instructions a program; inside the K loop it costs every step."""
+    return in_loops(kernel, r"\b(STL|LDL)\b")
