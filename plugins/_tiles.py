@@ -18,7 +18,7 @@ import triton.language as tl
 # BF16 on the GPU: one word + its block's scale (BF16, pre-multiplied by 2^118) -> 8 BF16
 # values with integer ops and packed BF16 multiplies (~2.75 instructions per value against ~9
 # for the plain Triton decode below), for tiles that go to shared memory anyway (the MMA's B
-# side: prefill); the A side (decode) uses the per-byte variant further down. Placing magnitude
+# side: prefill); the A side (decode) uses the per-byte or code-pair variants further down. Placing magnitude
 # index i (3 bits) at bits 6..8 and the sign at bit 15 gives the BF16 number E2M1(i) * 2^-126
 # (index 1, the subnormal 0.5, lands on a BF16 subnormal; BF16 multiplies keep subnormals);
 # times scale * 2^118 that is E2M1 * scale * 2^-8, exact.
@@ -59,6 +59,88 @@ _E2M1X2_TO_BF16 = tl.constexpr(
     "mov.b32 {$0, $1}, r;\n}\n")
 
 
+# Two codes 16 bits apart in a word (c and c + 4) -> BF16x2, for tiles that feed the MMA's A
+# side from registers (decode). The decoded tile is written over a [rows, 4, words] view, for
+# which Triton picks the dot-operand layout with kWidth 8 for both MMA operands (K permuted the
+# same way on both sides, each thread holding whole words), so the conversion to it is a
+# register renaming (the word-at-once decoder led to kWidth 2 and a shared-memory round trip
+# of the decoded tile every K step: H200 moe_nvfp4 T=1 126 -> 100 us). Codes c and c + 4 land
+# in one register, so the activations take the same order (`nvfp4_activations`: a register
+# permutation). With t = the word (shifted right by 8 for c = 2, 3) masked to the two codes,
+# t * (2^a + 2^b) adds a copy shifted by a (magnitudes to bits 6..8 and 22..24) and one by b
+# (signs to bits 15 and 31) whose bits do not overlap (no carries), and one mask keeps those:
+# AND, IMAD, AND, HMUL2 a code pair, against PRMT, shift, two LOP3, HMUL2 (+1 rotate a word)
+# when each register held codes 2c and 2c + 1 (gate/up loop 502 -> 419 SASS instructions a
+# K step). $2 the (shifted) word, $3 its code-pair mask, $4 the multiplier, $5 BF16 scale *
+# 2^118 -> $0, $1 the codes c and c + 4.
+_E2M1_PAIR_TO_BF16 = tl.constexpr(
+    "{\n.reg .b32 t, r, s2;\nmov.b32 s2, {$5, $5};\nand.b32 t, $2, $3;\n"
+    "mul.lo.u32 t, t, $4;\nand.b32 t, t, 0x81C081C0;\nmul.rn.bf16x2 r, t, s2;\n"
+    "mov.b32 {$0, $1}, r;\n}\n")
+
+
+@triton.jit
+def _tile_code_pairs(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BF16 decode for the A side: [BN, 4, W] code pairs (c, c + 4) -> [BN, BK], the element
+    at 8w + 2c + j holding code c + 4j of word w (see `nvfp4_activations`)."""
+    W: tl.constexpr = BLOCK_K // 8
+    shape: tl.constexpr = (BLOCK_N, 4, W)
+    c = tl.arange(0, 4)[None, :, None]
+    words = tl.broadcast_to(words[:, None, :], shape)
+    high = (words.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
+    src = tl.where(c >= 2, high, words)  # codes 2, 6 and 3, 7 moved to where 0, 4 and 1, 5 sit
+    mask = tl.broadcast_to(tl.where(c % 2 == 0, 0x000F000F, 0x00F000F0), shape)
+    multiplier = tl.broadcast_to(tl.where(c % 2 == 0, (1 << 6) + (1 << 12), (1 << 2) + (1 << 8)),
+                                 shape)
+    lo, hi = tl.inline_asm_elementwise(
+        _E2M1_PAIR_TO_BF16, "=h,=h,r,r,r,h",
+        [src, mask, multiplier, tl.broadcast_to(scales_bf16[:, None, :], shape)],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    return tl.permute(tl.join(lo, hi), (0, 2, 1, 3)).reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _tile_per_byte(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BF16 decode of each word byte by byte: [BN, 4, W] code pairs -> [BN, BK]."""
+    W: tl.constexpr = BLOCK_K // 8
+    byte = tl.arange(0, 4)[None, :, None]
+    # PRMT source bytes (word, then w4) for result bytes 0..3: c, 4 + (c - 1) % 4, 4 + c, c
+    selector = tl.broadcast_to(byte + ((4 + (byte + 3) % 4) << 4) + ((4 + byte) << 8)
+                               + (byte << 12), (BLOCK_N, 4, W))
+    lo, hi = tl.inline_asm_elementwise(
+        _E2M1X2_TO_BF16, "=h,=h,r,r,h",
+        [tl.broadcast_to(words[:, None, :], (BLOCK_N, 4, W)), selector,
+         tl.broadcast_to(scales_bf16[:, None, :], (BLOCK_N, 4, W))],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    # element (n, c, w, j) is k = 8w + 2c + j
+    return tl.permute(tl.join(lo, hi), (0, 2, 1, 3)).reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def nvfp4_activations(a, ASM: tl.constexpr, SIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """The activations [BM, BK] in the K order of `nvfp4_tile`'s tiles: for the code-pair PTX
+    decode, position 8w + 2c + j holds k = 8w + c + 4j; otherwise K in order."""
+    if ASM and SIDE == 2:  # A_SIDE_PAIRS
+        a = tl.permute(a.reshape(BLOCK_M, BLOCK_K // 8, 2, 4), (0, 1, 3, 2))
+        a = a.reshape(BLOCK_M, BLOCK_K)
+    return a
+
+
+# Which decoder a tile takes (the kernels' NVFP4_SIDE): the MMA's B side (prefill: the tile
+# goes to shared memory anyway), the A side byte by byte, or the A side in code pairs (cheaper
+# decode, activations permuted alike: a register permutation with 8-token tiles; with 16-token
+# tiles it cost more than it saved, H200 linear_nvfp4 M=64 [5120 -> 8240] 45.4 -> 55.9 us).
+B_SIDE, A_SIDE_BYTES, A_SIDE_PAIRS = 0, 1, 2
+
+
+def nvfp4_side(swap: bool, block_m: int) -> int:
+    """The decoder of a launch shape: weights on the MMA's M side (swap) are its A operand."""
+    if not swap:
+        return B_SIDE
+    return A_SIDE_PAIRS if block_m <= 8 else A_SIDE_BYTES
+
+
 @triton.jit
 def _e2m1_code(words, j: tl.constexpr, scale, dtype: tl.constexpr):
     """Element j of each word, times scale (FP32, = weight_scale * 2^6), in dtype. The code
@@ -71,15 +153,19 @@ def _e2m1_code(words, j: tl.constexpr, scale, dtype: tl.constexpr):
 
 @triton.jit
 def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr,
-               ASM: tl.constexpr, REGISTER_A: tl.constexpr = False):
+               ASM: tl.constexpr, SIDE: tl.constexpr = 0):
     """words int32 [BLOCK_N, BLOCK_K/8], scales FP32 [BLOCK_N, BLOCK_K/16] ->
     [BLOCK_N, BLOCK_K] in dtype = E2M1 * scale * 2^-8. ASM: the BF16 PTX decoders (GPU only;
-    Triton's interpreter cannot run inline assembly). REGISTER_A: the tile is the MMA's A
-    operand (weights on the M side), decoded byte by byte (see _E2M1X2_TO_BF16)."""
+    Triton's interpreter cannot run inline assembly). SIDE (`nvfp4_side`): the tile is the
+    MMA's B operand, its A operand (weights on the M side) decoded byte by byte, or its A
+    operand decoded in code pairs whose K order the activations must take too
+    (`nvfp4_activations`; see _E2M1_PAIR_TO_BF16)."""
     per_word = tl.join(scales, scales).reshape(BLOCK_N, BLOCK_K // 8)  # 2 words per 16-block
     if ASM:
         scale_bf16 = (per_word * 3.32306998946229e+35).to(tl.bfloat16)  # * 2^118 (exact)
-        if REGISTER_A:
+        if SIDE == 2:  # A_SIDE_PAIRS
+            return _tile_code_pairs(words, scale_bf16, BLOCK_N, BLOCK_K)
+        if SIDE == 1:  # A_SIDE_BYTES
             return _tile_per_byte(words, scale_bf16, BLOCK_N, BLOCK_K)
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             _E2M1X8_TO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scale_bf16],
@@ -102,29 +188,12 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
 
 @triton.jit
 def load_nvfp4_tile(w_ptrs, s_ptrs, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    dtype: tl.constexpr, ASM: tl.constexpr, REGISTER_A: tl.constexpr):
+                    dtype: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr):
     """One whole K tile of weight rows `row_mask`: its words and E4M3 block scales (unmasked
     along K, so both are wide enough for the pipelined async copies), decoded."""
     words = tl.load(w_ptrs, mask=row_mask, other=0)
     scales = tl.load(s_ptrs, mask=row_mask, other=0.0)
-    return nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, REGISTER_A)
-
-
-@triton.jit
-def _tile_per_byte(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """BF16 decode of each word byte by byte: [BN, 4, W] code pairs -> [BN, BK]."""
-    W: tl.constexpr = BLOCK_K // 8
-    byte = tl.arange(0, 4)[None, :, None]
-    # PRMT source bytes (word, then w4) for result bytes 0..3: c, 4 + (c - 1) % 4, 4 + c, c
-    selector = tl.broadcast_to(byte + ((4 + (byte + 3) % 4) << 4) + ((4 + byte) << 8)
-                               + (byte << 12), (BLOCK_N, 4, W))
-    lo, hi = tl.inline_asm_elementwise(
-        _E2M1X2_TO_BF16, "=h,=h,r,r,h",
-        [tl.broadcast_to(words[:, None, :], (BLOCK_N, 4, W)), selector,
-         tl.broadcast_to(scales_bf16[:, None, :], (BLOCK_N, 4, W))],
-        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    # element (n, c, w, j) is k = 8w + 2c + j
-    return tl.permute(tl.join(lo, hi), (0, 2, 1, 3)).reshape(BLOCK_N, BLOCK_K)
+    return nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
 
 
 def linear_config(m: int, dtype_bytes: float):

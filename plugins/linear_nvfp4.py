@@ -21,7 +21,7 @@ from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 from ._checks import _expect, check_device, check_linear_x, check_tensor
 from ._gemm import acc_zeros, dot_precision, mma, round_to, tile_of, unswap
 from .moe_nvfp4 import use_asm
-from ._tiles import linear_config, load_nvfp4_tile, nvfp4_tile
+from ._tiles import linear_config, load_nvfp4_tile, nvfp4_activations, nvfp4_side, nvfp4_tile
 from .registry import dispatch, register
 from .tuning import tuned_linear
 
@@ -61,6 +61,7 @@ def _(x, weight, weight_scale, weight_scale_2):
 @triton.jit
 def _linear_nvfp4_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                          stride_sn, stride_ym, SWAP: tl.constexpr, ASM: tl.constexpr,
+                         SIDE: tl.constexpr,
                          EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # w_ptr: the packed weight read as int32 words (8 codes each), stride_wn in words.
@@ -78,9 +79,10 @@ def _linear_nvfp4_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, y_ptr, M, N, K, stride_x
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     if EVEN_K:  # no K masks: the scales are wide enough for the pipelined async copies too
         for k0 in range(0, K, BLOCK_K):
-            a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            a = nvfp4_activations(tl.load(x_ptrs, mask=m_mask[:, None], other=0.0), ASM, SIDE,
+                                  BLOCK_M, BLOCK_K)
             w = load_nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K, dtype, ASM,
-                                SWAP)
+                                SIDE)
             acc = mma(acc, a, w, SWAP, PRECISION)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K // 8
@@ -90,11 +92,12 @@ def _linear_nvfp4_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, y_ptr, M, N, K, stride_x
         for k0 in range(0, K, BLOCK_K):
             left = K - k0
             a = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < left)[None, :], other=0.0)
+            a = nvfp4_activations(a, ASM, SIDE, BLOCK_M, BLOCK_K)
             words = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_kw < left // 8)[None, :], other=0)
             s_ptrs += BLOCK_K // 16
             s_mask = n_mask[:, None] & (offs_ks < (left - BLOCK_K) // 16)[None, :]
             scales_next = tl.load(s_ptrs, mask=s_mask, other=0.0)
-            w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+            w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
             acc = mma(acc, a, w, SWAP, PRECISION)
             scales = scales_next
             x_ptrs += BLOCK_K
@@ -119,7 +122,7 @@ def linear_nvfp4_triton(x, weight, weight_scale, weight_scale_2, config=None):
         _linear_nvfp4_kernel[grid](
             x2, words, weight_scale, weight_scale_2, y, m, n, k, x2.stride(0), words.stride(0),
             weight_scale.stride(0), y.stride(0), SWAP=cfg.swap, ASM=use_asm(x.dtype),
-            EVEN_K=k % cfg.block_k == 0,
+            SIDE=nvfp4_side(cfg.swap, cfg.block_m), EVEN_K=k % cfg.block_k == 0,
             PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

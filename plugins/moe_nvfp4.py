@@ -34,7 +34,7 @@ from ._moe_common import (
     check_routing, check_tensor, combine, configs_for, fake_moe, past_last_row, plan_routing,
     ref_moe, routing_ptrs,
 )
-from ._tiles import load_nvfp4_tile, nvfp4_tile
+from ._tiles import load_nvfp4_tile, nvfp4_activations, nvfp4_side, nvfp4_tile
 from .registry import dispatch, register, triton_interpreted
 from .tuning import tuned_moe
 
@@ -96,8 +96,8 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
                       ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                       numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
                       stride_sn, stride_om, GATED: tl.constexpr, DIRECT: tl.constexpr,
-                      SWAP: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
-                      PRECISION: tl.constexpr,
+                      SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
+                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
     # As moe_bf16's kernel, with each weight tile decoded from NVFP4 on the fly (W4A16; w_ptr is
@@ -119,10 +119,11 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
     row_step_w, row_step_s = N * stride_wn, N * stride_sn  # gate row n -> up row N + n
     if EVEN_K:
         acc, acc_up = _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s,
-                                   K, GATED, SWAP, ASM, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                                   K, GATED, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
+                                   BLOCK_K)
     else:
         acc, acc_up = _masked_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w,
-                                     row_step_s, K, GATED, SWAP, ASM, PRECISION, BLOCK_M,
+                                     row_step_s, K, GATED, SWAP, ASM, SIDE, PRECISION, BLOCK_M,
                                      BLOCK_N, BLOCK_K)
     scale_2 = tl.load(ws2_ptr + expert) * 256.0
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
@@ -138,7 +139,7 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
 
 @triton.jit
 def _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
-                 GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
+                 GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """K % BLOCK_K == 0: no K masks, so every tile (the scales too) is a copy wide enough for
@@ -147,12 +148,13 @@ def _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, 
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-        w = load_nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+        a = nvfp4_activations(tl.load(a_ptrs, mask=valid[:, None], other=0.0), ASM, SIDE,
+                              BLOCK_M, BLOCK_K)
+        w = load_nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
         acc = mma(acc, a, w, SWAP, PRECISION)
         if GATED:
             w_up = load_nvfp4_tile(w_ptrs + row_step_w, s_ptrs + row_step_s, n_mask[:, None],
-                                   BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+                                   BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
             acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
@@ -162,7 +164,7 @@ def _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, 
 
 @triton.jit
 def _masked_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
-                   GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
+                   GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     """Any K: the masked E4M3 block scales are too narrow for the asynchronous copies that
@@ -180,17 +182,18 @@ def _masked_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s
     for k0 in range(0, K, BLOCK_K):
         left = K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < left)[None, :], other=0.0)
+        a = nvfp4_activations(a, ASM, SIDE, BLOCK_M, BLOCK_K)
         w_mask = n_mask[:, None] & (offs_kw < left // 8)[None, :]
         s_next_mask = n_mask[:, None] & (offs_ks < (left - BLOCK_K) // 16)[None, :]
         s_ptrs += BLOCK_K // 16
         scales_next = tl.load(s_ptrs, mask=s_next_mask, other=0.0)
         scales_up_next = tl.load(s_ptrs + row_step_s, mask=s_next_mask & GATED, other=0.0)
         words = tl.load(w_ptrs, mask=w_mask, other=0)
-        w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+        w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
         acc = mma(acc, a, w, SWAP, PRECISION)
         if GATED:
             words = tl.load(w_ptrs + row_step_w, mask=w_mask, other=0)
-            w_up = nvfp4_tile(words, scales_up.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SWAP)
+            w_up = nvfp4_tile(words, scales_up.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
             acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
         scales = scales_next
         scales_up = scales_up_next
@@ -211,6 +214,7 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
         a, words, ws, ws2, out, *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
         a.stride(0), words.stride(0), words.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
         GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap, ASM=use_asm(a.dtype),
+        SIDE=nvfp4_side(cfg.swap, cfg.block_m),
         EVEN_K=k % cfg.block_k == 0, PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -43,7 +43,7 @@ def test_kernel_matches_reference(fmt, dtype, t):
 @pytest.mark.parametrize("t", [1, 131])
 def test_nvfp4_whole_k_tiles(dtype, t):
     """K a multiple of every K tile: the unmasked K loop (and on a GPU in BF16 at few tokens,
-    the per-byte decode into the MMA's registers)."""
+    the code-pair decode into the MMA's registers)."""
     x = torch.randn(t, 256, generator=torch.Generator().manual_seed(t)).to(dtype)
     args = tuple(a.to(KERNEL_DEVICE) for a in linear_args("nvfp4", x, n=72, seed=t))
     out = linear_nvfp4.linear_nvfp4_triton(*args)

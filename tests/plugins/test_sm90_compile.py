@@ -86,7 +86,7 @@ def _moe_fp8_prefill():
 
 
 def _nvfp4_decode():
-    """The NVFP4 decode GEMMs at Beam shapes (whole 128-deep K tiles, BF16: the per-byte PTX
+    """The NVFP4 decode GEMMs at Beam shapes (whole 128-deep K tiles, BF16: the code-pair PTX
     decode into the MMA's registers)."""
     e, inner = 8, BEAM.moe_intermediate_size
     one = torch.ones(e)
@@ -152,7 +152,7 @@ def test_kernels_compile_for_hopper_without_spills(build):
             assert "warp_group_dot" in kernel.asm["ttgir"], "prefill does not use wgmma"
         if name in ("_moe_nvfp4_kernel", "_linear_nvfp4_kernel"):  # decoded tile: registers only
             # (one small store a tile may remain in the K loop: the per-word scales' layout
-            # change; the decoded BF16 tile itself took 16 stores a K step before the per-byte
+            # change; the decoded BF16 tile itself took 16 stores a K step before the register
             # decode; the epilogue's stores are outside the loop)
             stores = in_loops(kernel, r"\bSTS\b")
             assert stores <= 2, f"{name} stages the decoded tile in shared memory ({stores})"
