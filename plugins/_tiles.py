@@ -73,9 +73,14 @@ _E2M1X2_TO_BF16 = tl.constexpr(
 # when each register held codes 2c and 2c + 1 (gate/up loop 502 -> 419 SASS instructions a
 # K step). $2 the (shifted) word, $3 its code-pair mask, $4 the multiplier, $5 BF16 scale *
 # 2^118 -> $0, $1 the codes c and c + 4.
+# codes (0, 4) / (1, 5) of a word and their multipliers 2^a + 2^b (a: magnitudes to bits 6..8
+# and 22..24, b: signs to bits 15 and 31); PAIR_KEEP masks those bits
+PAIR_MASK_EVEN, PAIR_MASK_ODD = tl.constexpr(0x000F000F), tl.constexpr(0x00F000F0)
+PAIR_MUL_EVEN, PAIR_MUL_ODD = tl.constexpr((1 << 6) + (1 << 12)), tl.constexpr((1 << 2) + (1 << 8))
+PAIR_KEEP = 0x81C081C0
 _E2M1_PAIR_TO_BF16 = tl.constexpr(
     "{\n.reg .b32 t, r, s2;\nmov.b32 s2, {$5, $5};\nand.b32 t, $2, $3;\n"
-    "mul.lo.u32 t, t, $4;\nand.b32 t, t, 0x81C081C0;\nmul.rn.bf16x2 r, t, s2;\n"
+    f"mul.lo.u32 t, t, $4;\nand.b32 t, t, 0x{PAIR_KEEP:08X};\nmul.rn.bf16x2 r, t, s2;\n"
     "mov.b32 {$0, $1}, r;\n}\n")
 
 
@@ -89,9 +94,8 @@ def _tile_code_pairs(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
     words = tl.broadcast_to(words[:, None, :], shape)
     high = (words.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
     src = tl.where(c >= 2, high, words)  # codes 2, 6 and 3, 7 moved to where 0, 4 and 1, 5 sit
-    mask = tl.broadcast_to(tl.where(c % 2 == 0, 0x000F000F, 0x00F000F0), shape)
-    multiplier = tl.broadcast_to(tl.where(c % 2 == 0, (1 << 6) + (1 << 12), (1 << 2) + (1 << 8)),
-                                 shape)
+    mask = tl.broadcast_to(tl.where(c % 2 == 0, PAIR_MASK_EVEN, PAIR_MASK_ODD), shape)
+    multiplier = tl.broadcast_to(tl.where(c % 2 == 0, PAIR_MUL_EVEN, PAIR_MUL_ODD), shape)
     lo, hi = tl.inline_asm_elementwise(
         _E2M1_PAIR_TO_BF16, "=h,=h,r,r,r,h",
         [src, mask, multiplier, tl.broadcast_to(scales_bf16[:, None, :], shape)],
