@@ -18,10 +18,10 @@ import triton.language as tl
 # BF16 on the GPU: one word + its block's scale (BF16, pre-multiplied by 2^118) -> 8 BF16
 # values with integer ops and packed BF16 multiplies (~2.75 instructions per value against ~9
 # for the plain Triton decode below), for tiles that go to shared memory anyway (the MMA's B
-# side: prefill); the A side (decode) uses the per-byte or code-pair variants further down. Placing magnitude
-# index i (3 bits) at bits 6..8 and the sign at bit 15 gives the BF16 number E2M1(i) * 2^-126
-# (index 1, the subnormal 0.5, lands on a BF16 subnormal; BF16 multiplies keep subnormals);
-# times scale * 2^118 that is E2M1 * scale * 2^-8, exact.
+# side: prefill); the A side (decode) uses the per-byte or code-pair variants further down.
+# Placing magnitude index i (3 bits) at bits 6..8 and the sign at bit 15 gives the BF16 number
+# E2M1(i) * 2^-126 (index 1, the subnormal 0.5, lands on a BF16 subnormal; BF16 multiplies keep
+# subnormals); times scale * 2^118 that is E2M1 * scale * 2^-8, exact.
 def _decode_pair_ptx(src: str, mag_shift: int, sign_shift: int, dst: str) -> str:
     """PTX: the two codes whose magnitude bits sit `mag_shift` below bits 6..8 (and sign bit
     `sign_shift` below bit 15) of each half of `src` -> BF16x2 `dst`, times the scales `s2`."""
