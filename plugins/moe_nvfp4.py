@@ -21,6 +21,8 @@ x.dtype as the reference's modules do; the combine is FP32.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -223,10 +225,15 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
 
 def launch_configs(numel: int, experts: int, config13=None, config2=None):
     """(gate/up, down) launch shapes: `configs_for`'s, with DECODE for each GEMM the caller
-    left open where those put the weights on the MMA's M side."""
+    left open where those put the weights on the MMA's M side; DECODE takes the given GEMM's
+    block_m when the other is given (both GEMMs share one token sort)."""
     c13, c2 = configs_for(numel, experts, config13, config2)
-    return (DECODE if config13 is None and c13.swap else c13,
-            DECODE if config2 is None and c2.swap else c2)
+    if config13 is None and c13.swap:
+        c13 = DECODE if config2 is None else dataclasses.replace(DECODE, block_m=c2.block_m)
+    if config2 is None and c2.swap:
+        c2 = DECODE if config13 is None else dataclasses.replace(DECODE, block_m=c13.block_m)
+    return c13, c2
+
 
 @register(OP, "triton")
 def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale,

@@ -195,3 +195,19 @@ def test_tail_block_configs_are_checked(fmt, c13, c2, reason):
     gemm = lambda *c: _moe_common.GemmConfig(*c[:5], tail_m=c[5])  # noqa: E731
     with pytest.raises(Exception, match=reason):
         KERNELS[fmt][0](*args, direct=False, config13=gemm(*c13), config2=gemm(*c2))
+
+
+def test_nvfp4_open_gemm_shares_the_token_sort():
+    """One GEMM's shape given, the other left to DECODE: DECODE takes the given block_m, so
+    both GEMMs read the one token sort (sorted path, checked against the reference)."""
+    import dataclasses
+
+    args = _case("nvfp4", torch.bfloat16, 3, seed=4)  # 12 pairs, sorted below: swap defaults
+    given = _moe_common.GemmConfig(16, 32, 128, 2, 3, swap=True)
+    following = dataclasses.replace(moe_nvfp4.DECODE, block_m=16)
+    assert moe_nvfp4.launch_configs(1, E, given, None) == (given, following)
+    assert moe_nvfp4.launch_configs(1, E, None, given) == (following, given)
+    assert moe_nvfp4.launch_configs(1, E) == (moe_nvfp4.DECODE, moe_nvfp4.DECODE)
+    out = moe_nvfp4.moe_nvfp4_triton(*args, direct=False, config13=given)
+    torch.testing.assert_close(out.cpu(), moe_nvfp4.ref_moe_nvfp4(*on_cpu(args)),
+                               **_tolerance("nvfp4", torch.bfloat16))
