@@ -118,25 +118,13 @@ def past_last_row(pid_m, num_rows_ptr, DIRECT: tl.constexpr, BLOCK_M: tl.constex
 @triton.jit
 def block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N,
                GATED: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr):
+               BLOCK_N: tl.constexpr, block_start_ptr=None, STARTS: tl.constexpr = False):
     """The tile of program (pid_m, pid_n) of a grouped GEMM: (expert, slot of each row, row
     valid, row of the h buffer, activation row of each row (the token, slot // top_k, for
-    gate/up; the h row for down), output channels offs_n [BLOCK_N] and their mask < N)."""
+    gate/up; the h row for down), output channels offs_n [BLOCK_N] and their mask < N).
+    STARTS: a tail-block layout, where block_start gives each block's first row."""
     expert, slots, valid, rows = block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel,
-                                            DIRECT, BLOCK_M)
-    a_rows = (slots // top_k) if GATED else rows
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, slots, valid, rows, a_rows, offs_n, offs_n < N
-
-
-@triton.jit
-def block_tile_at(pid_m, pid_n, block_expert_ptr, block_start_ptr, sorted_ptr, numel, top_k, N,
-                  GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`block_tile` of a tail-block layout's row block pid_m (its first row from block_start)."""
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = tl.load(block_start_ptr + pid_m) + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    valid = slots < numel
+                                            DIRECT, BLOCK_M, block_start_ptr, STARTS)
     a_rows = (slots // top_k) if GATED else rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return expert, slots, valid, rows, a_rows, offs_n, offs_n < N
@@ -144,7 +132,7 @@ def block_tile_at(pid_m, pid_n, block_expert_ptr, block_start_ptr, sorted_ptr, n
 
 @triton.jit
 def block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel, DIRECT: tl.constexpr,
-               BLOCK_M: tl.constexpr):
+               BLOCK_M: tl.constexpr, block_start_ptr=None, STARTS: tl.constexpr = False):
     """(expert int64, slot of each row, row valid, row of the h buffer) of one row block."""
     offs = tl.arange(0, BLOCK_M)
     if DIRECT:  # one (token, expert) pair per block: row 0 only
@@ -154,7 +142,10 @@ def block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel, DIRECT: tl.c
         rows = slots
     else:
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        rows = pid_m * BLOCK_M + offs
+        if STARTS:
+            rows = tl.load(block_start_ptr + pid_m) + offs
+        else:
+            rows = pid_m * BLOCK_M + offs
         slots = tl.load(sorted_ptr + rows)
         valid = slots < numel
     return expert, slots, valid, rows

@@ -59,22 +59,16 @@ _E2M1X2_TO_BF16 = tl.constexpr(
     "mov.b32 {$0, $1}, r;\n}\n")
 
 
-# Two codes 16 bits apart in a word (c and c + 4) -> BF16x2, for tiles that feed the MMA's A
-# side from registers (decode). The decoded tile is written over a [rows, 4, words] view, for
-# which Triton picks the dot-operand layout with kWidth 8 for both MMA operands (K permuted the
-# same way on both sides, each thread holding whole words), so the conversion to it is a
-# register renaming (the word-at-once decoder led to kWidth 2 and a shared-memory round trip
-# of the decoded tile every K step: H200 moe_nvfp4 T=1 126 -> 100 us). Codes c and c + 4 land
-# in one register, so the activations take the same order (`nvfp4_activations`: a register
-# permutation). With t = the word (shifted right by 8 for c = 2, 3) masked to the two codes,
-# t * (2^a + 2^b) adds a copy shifted by a (magnitudes to bits 6..8 and 22..24) and one by b
-# (signs to bits 15 and 31) whose bits do not overlap (no carries), and one mask keeps those:
-# AND, IMAD, AND, HMUL2 a code pair, against PRMT, shift, two LOP3, HMUL2 (+1 rotate a word)
-# when each register held codes 2c and 2c + 1 (gate/up loop 502 -> 419 SASS instructions a
-# K step). $2 the (shifted) word, $3 its code-pair mask, $4 the multiplier, $5 BF16 scale *
-# 2^118 -> $0, $1 the codes c and c + 4.
-# codes (0, 4) / (1, 5) of a word and their multipliers 2^a + 2^b (a: magnitudes to bits 6..8
-# and 22..24, b: signs to bits 15 and 31); PAIR_KEEP masks those bits
+# Two codes 16 bits apart in a word (c and c + 4) -> BF16x2, for the A side like the per-byte
+# decoder above (same [rows, 4, words] view, so the same register-only kWidth-8 layout), but
+# with codes c and c + 4 in one register the activations take the same K order
+# (`nvfp4_activations`: a register permutation). With t = the word (shifted right by 8 for
+# c = 2, 3) masked to the two codes, t * (2^a + 2^b) adds a copy shifted by a (magnitudes to
+# bits 6..8 and 22..24) and one by b (signs to bits 15 and 31) whose bits do not overlap (no
+# carries), and PAIR_KEEP keeps those: AND, IMAD, AND, HMUL2 a code pair, against PRMT, shift,
+# two LOP3, HMUL2 (+1 rotate a word) per byte (gate/up loop 502 -> 419 SASS instructions a K
+# step). $2 the (shifted) word, $3 its pair mask, $4 the multiplier, $5 BF16 scale * 2^118 ->
+# $0, $1 the codes c and c + 4.
 PAIR_MASK_EVEN, PAIR_MASK_ODD = tl.constexpr(0x000F000F), tl.constexpr(0x00F000F0)
 PAIR_MUL_EVEN, PAIR_MUL_ODD = tl.constexpr((1 << 6) + (1 << 12)), tl.constexpr((1 << 2) + (1 << 8))
 PAIR_KEEP = 0x81C081C0
@@ -125,7 +119,7 @@ def nvfp4_activations(a, ASM: tl.constexpr, SIDE: tl.constexpr, BLOCK_M: tl.cons
                       BLOCK_K: tl.constexpr):
     """The activations [BM, BK] in the K order of `nvfp4_tile`'s tiles: for the code-pair PTX
     decode, position 8w + 2c + j holds k = 8w + c + 4j; otherwise K in order."""
-    if ASM and SIDE == 2:  # A_SIDE_PAIRS
+    if ASM and SIDE == A_SIDE_PAIRS:
         a = tl.permute(a.reshape(BLOCK_M, BLOCK_K // 8, 2, 4), (0, 1, 3, 2))
         a = a.reshape(BLOCK_M, BLOCK_K)
     return a
@@ -135,14 +129,14 @@ def nvfp4_activations(a, ASM: tl.constexpr, SIDE: tl.constexpr, BLOCK_M: tl.cons
 # goes to shared memory anyway), the A side byte by byte, or the A side in code pairs (cheaper
 # decode, activations permuted alike: a register permutation with 8-token tiles; with 16-token
 # tiles it cost more than it saved, H200 linear_nvfp4 M=64 [5120 -> 8240] 45.4 -> 55.9 us).
-B_SIDE, A_SIDE_BYTES, A_SIDE_PAIRS = 0, 1, 2
+B_SIDE, A_SIDE_BYTES, A_SIDE_PAIRS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 def nvfp4_side(swap: bool, block_m: int) -> int:
     """The decoder of a launch shape: weights on the MMA's M side (swap) are its A operand."""
     if not swap:
-        return B_SIDE
-    return A_SIDE_PAIRS if block_m <= 8 else A_SIDE_BYTES
+        return B_SIDE.value
+    return (A_SIDE_PAIRS if block_m <= 8 else A_SIDE_BYTES).value
 
 
 @triton.jit
@@ -167,9 +161,9 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
     per_word = tl.join(scales, scales).reshape(BLOCK_N, BLOCK_K // 8)  # 2 words per 16-block
     if ASM:
         scale_bf16 = (per_word * 3.32306998946229e+35).to(tl.bfloat16)  # * 2^118 (exact)
-        if SIDE == 2:  # A_SIDE_PAIRS
+        if SIDE == A_SIDE_PAIRS:
             return _tile_code_pairs(words, scale_bf16, BLOCK_N, BLOCK_K)
-        if SIDE == 1:  # A_SIDE_BYTES
+        if SIDE == A_SIDE_BYTES:
             return _tile_per_byte(words, scale_bf16, BLOCK_N, BLOCK_K)
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             _E2M1X8_TO_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scale_bf16],

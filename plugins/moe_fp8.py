@@ -37,9 +37,9 @@ from ._fp8_act import quant_fp8_per_tensor
 from ._checks import ACT_DTYPES, check_device, check_out_dtype
 from ._gemm import gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, block_tile_at,
-    check_expert_weights, check_ids_in_range, check_routing, check_tensor, combine, configs_for,
-    past_last_row, plan_routing, ref_moe, routing_ptrs, tail_ptrs,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, combine, configs_for, past_last_row,
+    plan_routing, ref_moe, routing_ptrs, tail_ptrs,
 )
 from .registry import dispatch, register
 from .tuning import tuned_moe
@@ -129,14 +129,14 @@ def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
         if tl.load(block_expert_ptr + pid_m) < 0:  # idle block
             return
         if tl.load(block_rows_ptr + pid_m) == TAIL_M:
-            tail = block_tile_at(pid_m, pid_n, block_expert_ptr, block_start_ptr, sorted_ptr,
-                                 numel, top_k, N, GATED, TAIL_M, BLOCK_N)
+            tail = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k,
+                              N, GATED, False, TAIL_M, BLOCK_N, block_start_ptr, True)
             _fp8_tile(tail, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K,
                       stride_am, stride_we, stride_wn, stride_se, stride_om, ACT, GATED, True,
                       TAIL_M, BLOCK_N, BLOCK_K)
         else:
-            full = block_tile_at(pid_m, pid_n, block_expert_ptr, block_start_ptr, sorted_ptr,
-                                 numel, top_k, N, GATED, BLOCK_M, BLOCK_N)
+            full = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k,
+                              N, GATED, False, BLOCK_M, BLOCK_N, block_start_ptr, True)
             _fp8_tile(full, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K,
                       stride_am, stride_we, stride_wn, stride_se, stride_om, ACT, GATED, SWAP,
                       BLOCK_M, BLOCK_N, BLOCK_K)
