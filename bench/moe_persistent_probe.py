@@ -36,9 +36,9 @@ def _persistent_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr
         pid_m, pid_n = tile_of(t, num_m, num_n, GROUP_M)
         tile = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N,
                           GATED, False, BLOCK_M, BLOCK_N)
-        moe_fp8._fp8_tile(tile, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K,
-                          stride_am, stride_we, stride_wn, stride_se, stride_om, ACT, GATED,
-                          SWAP, BLOCK_M, BLOCK_N, BLOCK_K)
+        moe_fp8._fp8_tile(tile, a_ptr, None, 0, a_scale_ptr, w_ptr, None, ws_ptr, out_ptr,
+                          out_scale_ptr, N, K, stride_am, stride_we, stride_wn, stride_se,
+                          stride_om, ACT, GATED, SWAP, False, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def persistent(a, a_scale, w, ws, out, out_scale, routing, numel, top_k, n, k, gated, cfg,

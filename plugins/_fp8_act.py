@@ -3,6 +3,8 @@
 - per tensor (static scale s): q = fp8_e4m3(clamp(x / s, +-448))     (W8A8, ModelOpt input_scale;
   `fp8_codes` is the Triton rule, shared with the norms and attention that emit FP8 directly)
 - per token per 128 channels (dynamic): s = max(amax, 1e-10) / 448, q = fp8_e4m3(x / s)
+- per tensor into an MoE's sorted rows: token t's codes go to the k rows the token sort gave
+  its slots, so the prefill GEMMs read whole row blocks (by the TMA)
 Both divide with IEEE rounding (tl.div_rn) and round with plugins._common.e4m3_grid, so the
 codes equal those of beam_trtllm.quant_formats on the GPU and in Triton's interpreter.
 """
@@ -36,6 +38,41 @@ def _quant_per_tensor_kernel(x_ptr, s_ptr, q_ptr, n, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     q = fp8_codes(x, tl.load(s_ptr))
     tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
+def _quant_sorted_rows_kernel(x_ptr, s_ptr, slot_rows_ptr, q_ptr, T, K, stride_x,
+                              TOP_K: tl.constexpr, CODES: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+    # Each token's tile is read once and its codes stored into the token's TOP_K sorted rows.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (tokens < T)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask,
+                other=0.0)
+    if not CODES:  # else x holds the codes already
+        x = fp8_codes(x.to(tl.float32), tl.load(s_ptr)).to(tl.float8e4nv)
+    for j in tl.static_range(TOP_K):
+        rows = tl.load(slot_rows_ptr + tokens * TOP_K + j, mask=tokens < T, other=0)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], x, mask=mask)
+
+
+def quant_fp8_sorted_rows(x: torch.Tensor, scale: torch.Tensor, slot_rows: torch.Tensor,
+                          rows: int) -> torch.Tensor:
+    """x [T, K] (floating, or FP8 codes already), slot_rows [T * k] (the sorted row of each
+    flat slot t*k+j) -> FP8 codes [rows, K]: row slot_rows[t*k+j] holds x[t] quantized with the
+    static `scale`. Rows no slot maps to (an MoE's padding rows) are left unwritten: a row of a
+    GEMM's tile only reaches that row's outputs, and padding rows' outputs are never stored."""
+    t, k = x.shape
+    top_k = slot_rows.shape[0] // max(t, 1)
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    block_t, block_k = 4, min(1024, triton.next_power_of_2(k))
+    if t and k:
+        grid = (triton.cdiv(t, block_t), triton.cdiv(k, block_k))
+        _quant_sorted_rows_kernel[grid](x, scale, slot_rows, q, t, k, x.stride(0), TOP_K=top_k,
+                                        CODES=x.dtype == FP8, BLOCK_T=block_t, BLOCK_K=block_k,
+                                        num_warps=4)
+    return q
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Tile helpers of the Triton GEMMs (the moe_* and linear_* kernels): grouped launch order,
 the reference's roundings, the tensor-core products with the weights on either MMA side
-(`SWAP`: few tokens), and the K loop of the FP8 W8A8 GEMMs."""
+(`SWAP`: few tokens), and the K loops of the FP8 W8A8 GEMMs (per-thread copies, or the TMA)."""
 
 from __future__ import annotations
 
@@ -121,6 +121,26 @@ def gemm_loop(a_ptrs, a_rows_ok, w_ptrs, n_mask, K, up_offset, GATED: tl.constex
             acc_up = _mma_any(acc_up, a, w_up, SWAP, PRECISION, BLOCK_K)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    return acc, acc_up
+
+
+@triton.jit
+def tma_gemm_loop(a_desc, a_row0, w_desc, w_row0, up_rows, K, GATED: tl.constexpr,
+                  SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """`gemm_loop` (FP8 W8A8) with both operands loaded by the Hopper TMA from 2-D tensor
+    descriptors: activation rows [a_row0, +BLOCK_M) of a_desc (rows already in the tile's
+    order), weight rows [w_row0, +BLOCK_N) of w_desc and with GATED also those `up_rows`
+    further. No per-thread copies or CTA barriers for the stages (the prefill GEMMs lost 44% of
+    their issue slots at those barriers, ncu); past a tensor's last row or column the TMA
+    reads zeros, so a K tail needs no mask. -> (acc, acc_up) as `gemm_loop`."""
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([a_row0, k0])
+        acc = mma_fp8(acc, a, w_desc.load([w_row0, k0]), SWAP, BLOCK_K)
+        if GATED:
+            acc_up = mma_fp8(acc_up, a, w_desc.load([w_row0 + up_rows, k0]), SWAP, BLOCK_K)
     return acc, acc_up
 
 

@@ -3,7 +3,9 @@
     sorted_slots [max_rows]    flat slot t*k+j of each row, each expert's rows padded with the
                                sentinel T*k (see "Row blocks" below);
     block_expert [max_blocks]  expert of each row block (-1: idle, its programs exit);
-    num_rows [1]               rows in use (a device scalar: no host sync).
+    num_rows [1]               rows in use (a device scalar: no host sync);
+    slot_rows [T*k]            the inverse: the row of each slot (prefill's activation quantizer
+                               writes each token's codes straight into its k rows).
 
 Row blocks. Each expert's rows are cut into BLOCK_M-row blocks. Without tail blocks its last,
 partial block is padded to BLOCK_M as well: on average BLOCK_M / 2 rows of every expert's
@@ -67,8 +69,8 @@ def _write_block_map(blocks, padded, nblocks, block_expert_ptr, block_start_ptr,
 
 
 @triton.jit
-def _align_kernel(ids_ptr, numel, sorted_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-                  num_rows_ptr, cursor_ptr, max_rows, max_blocks, E: tl.constexpr,
+def _align_kernel(ids_ptr, numel, sorted_ptr, slot_rows_ptr, block_expert_ptr, block_start_ptr,
+                  block_rows_ptr, num_rows_ptr, cursor_ptr, max_rows, max_blocks, E: tl.constexpr,
                   BINS: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr,
                   CHUNK: tl.constexpr, NB: tl.constexpr):
     # One program: count pairs per expert, pad each count (_expert_rows), lay the experts out
@@ -97,6 +99,7 @@ def _align_kernel(ids_ptr, numel, sorted_ptr, block_expert_ptr, block_start_ptr,
         ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
         row = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
         tl.store(sorted_ptr + row, offs, mask=mask)
+        tl.store(slot_rows_ptr + offs, row, mask=mask)
 
 
 @triton.jit
@@ -112,8 +115,8 @@ def _count_kernel(ids_ptr, numel, counts_ptr, sorted_ptr, max_rows, E: tl.conste
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, numel, counts_ptr, fill_ptr, sorted_ptr, block_expert_ptr,
-                    block_start_ptr, block_rows_ptr, num_rows_ptr, max_blocks,
+def _scatter_kernel(ids_ptr, numel, counts_ptr, fill_ptr, sorted_ptr, slot_rows_ptr,
+                    block_expert_ptr, block_start_ptr, block_rows_ptr, num_rows_ptr, max_blocks,
                     E: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr,
                     TAIL_M: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr):
     # Every program derives the padded layout from the counts (E values), writes its share of
@@ -130,8 +133,9 @@ def _scatter_kernel(ids_ptr, numel, counts_ptr, fill_ptr, sorted_ptr, block_expe
     mask = offs < numel
     ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
     rank = tl.atomic_add(fill_ptr + ids, 1, mask=mask)
-    start = tl.gather(tl.cumsum(padded, 0) - padded, ids, 0)
-    tl.store(sorted_ptr + start + rank, offs, mask=mask)
+    row = tl.gather(tl.cumsum(padded, 0) - padded, ids, 0) + rank
+    tl.store(sorted_ptr + row, offs, mask=mask)
+    tl.store(slot_rows_ptr + offs, row, mask=mask)
 
 
 @dataclass
@@ -149,6 +153,7 @@ class Routing:
     tail_m: int = 0  # > 0: tail blocks (block_start / block_rows say where each block is)
     block_start: torch.Tensor | None = None
     block_rows: torch.Tensor | None = None
+    slot_rows: torch.Tensor | None = None  # row of each slot (sorted modes)
 
 
 def max_sorted_rows(numel: int, num_experts: int, block_m: int) -> int:
@@ -173,6 +178,7 @@ def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, direct:
     blocks = max_row_blocks(numel, num_experts, block_m, tail_m)
     dev = ids.device
     sorted_slots = torch.empty(rows, dtype=torch.int32, device=dev)
+    slot_rows = torch.empty(numel, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     block_start = block_rows = None
@@ -185,7 +191,7 @@ def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, direct:
     nb = max(16, 8192 // bins)
     if numel <= ONE_PROGRAM_ALIGN:  # one launch: decode batches
         cursor = torch.empty(bins, dtype=torch.int32, device=dev)
-        _align_kernel[(1,)](ids, numel, sorted_slots, *maps, num_rows, cursor, rows, blocks,
+        _align_kernel[(1,)](ids, numel, sorted_slots, slot_rows, *maps, num_rows, cursor, rows, blocks,
                             E=num_experts, BINS=bins, BLOCK_M=block_m, TAIL_M=tail_m, CHUNK=1024,
                             NB=nb, num_warps=8)
     else:  # prefill: count, then scatter, over many programs (one program took 0.7 ms at 128K)
@@ -195,11 +201,11 @@ def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int, direct:
             ids, numel, counts, sorted_slots, rows, E=num_experts, BINS=bins, CHUNK=chunk,
             num_warps=4)
         grid = max(triton.cdiv(numel, chunk), triton.cdiv(blocks, nb))
-        _scatter_kernel[(grid,)](ids, numel, counts, counts[bins:], sorted_slots, *maps,
-                                 num_rows, blocks, E=num_experts, BINS=bins, BLOCK_M=block_m,
+        _scatter_kernel[(grid,)](ids, numel, counts, counts[bins:], sorted_slots, slot_rows,
+                                 *maps, num_rows, blocks, E=num_experts, BINS=bins, BLOCK_M=block_m,
                                  TAIL_M=tail_m, CHUNK=chunk, NB=nb, num_warps=4)
     return Routing(False, block_m, blocks, rows, ids, sorted_slots, block_expert, num_rows,
-                   tail_m, block_start, block_rows)
+                   tail_m, block_start, block_rows, slot_rows)
 
 
 def routing_ptrs(routing: Routing) -> tuple:

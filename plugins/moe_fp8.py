@@ -29,13 +29,14 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
 
 from ._common import e4m3_grid
-from ._fp8_act import quant_fp8_per_tensor
+from ._fp8_act import quant_fp8_per_tensor, quant_fp8_sorted_rows
 from ._checks import ACT_DTYPES, check_device, check_out_dtype
-from ._gemm import gemm_loop, round_to, silu_mul, tile_of, unswap
+from ._gemm import gemm_loop, round_to, silu_mul, tile_of, tma_gemm_loop, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
     check_ids_in_range, check_routing, check_tensor, combine, configs_for, past_last_row,
@@ -104,56 +105,65 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_sca
 
 # ---------------------------------------------------------------------------- triton
 @triton.jit
-def _moe_fp8_kernel(a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr,
-                    ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, block_start_ptr,
-                    block_rows_ptr, numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn,
-                    stride_se, stride_om, ACT: tl.constexpr, GATED: tl.constexpr,
-                    DIRECT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    TAIL_M: tl.constexpr):
+def _moe_fp8_kernel(a_ptr, a_desc, a_tail_desc, a_scale_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
+                    out_scale_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+                    block_start_ptr, block_rows_ptr, numel, top_k, num_m, N, K, stride_am,
+                    stride_we, stride_wn, stride_se, stride_om, ACT: tl.constexpr,
+                    GATED: tl.constexpr, DIRECT: tl.constexpr, SWAP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, TAIL_M: tl.constexpr, TMA: tl.constexpr):
     # FP8 x FP8 on the tensor cores, promoted to FP32 every BLOCK_K, then * a_scale * w_scale[n].
     # GATED: h = silu(gate) * up (rounded to ACT as the reference), stored as FP8 codes of
     # h / out_scale (the down projection's static input scale). Else y[slot] in out's dtype.
     # TAIL_M: row blocks come from block_start / block_rows; a tail block runs on a TAIL_M-row
     # tile with the weights on the MMA's M side.
+    # TMA (tail-block layouts only): activation rows already in sorted order (a_ptr is indexed
+    # by sorted row) and weights as [E * N_total, K], all loaded by the TMA.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if TAIL_M == 0:
         if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
             return
         tile = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N,
                           GATED, DIRECT, BLOCK_M, BLOCK_N)
-        _fp8_tile(tile, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K,
-                  stride_am, stride_we, stride_wn, stride_se, stride_om, ACT, GATED, SWAP,
-                  BLOCK_M, BLOCK_N, BLOCK_K)
+        _fp8_tile(tile, a_ptr, a_desc, 0, a_scale_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
+                  out_scale_ptr, N, K, stride_am, stride_we, stride_wn, stride_se, stride_om, ACT,
+                  GATED, SWAP, False, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         if tl.load(block_expert_ptr + pid_m) < 0:  # idle block
             return
+        row0 = tl.load(block_start_ptr + pid_m)
         if tl.load(block_rows_ptr + pid_m) == TAIL_M:
             tail = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k,
                               N, GATED, False, TAIL_M, BLOCK_N, block_start_ptr, True)
-            _fp8_tile(tail, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K,
-                      stride_am, stride_we, stride_wn, stride_se, stride_om, ACT, GATED, True,
-                      TAIL_M, BLOCK_N, BLOCK_K)
+            _fp8_tile(tail, a_ptr, a_tail_desc, row0, a_scale_ptr, w_ptr, w_desc, ws_ptr,
+                      out_ptr, out_scale_ptr, N, K, stride_am, stride_we, stride_wn, stride_se,
+                      stride_om, ACT, GATED, True, TMA, TAIL_M, BLOCK_N, BLOCK_K)
         else:
             full = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k,
                               N, GATED, False, BLOCK_M, BLOCK_N, block_start_ptr, True)
-            _fp8_tile(full, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K,
-                      stride_am, stride_we, stride_wn, stride_se, stride_om, ACT, GATED, SWAP,
-                      BLOCK_M, BLOCK_N, BLOCK_K)
+            _fp8_tile(full, a_ptr, a_desc, row0, a_scale_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
+                      out_scale_ptr, N, K, stride_am, stride_we, stride_wn, stride_se,
+                      stride_om, ACT, GATED, SWAP, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _fp8_tile(tile, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N, K, stride_am,
-              stride_we, stride_wn, stride_se, stride_om, ACT: tl.constexpr,
-              GATED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_tile(tile, a_ptr, a_desc, a_row0, a_scale_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
+              out_scale_ptr, N, K, stride_am, stride_we, stride_wn, stride_se, stride_om,
+              ACT: tl.constexpr, GATED: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program's tile (`block_tile`'s tuple): the K loop, the epilogue and the store."""
     expert, slots, valid, rows, a_rows, offs_n, n_mask = tile
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc, acc_up = gemm_loop(a_ptrs, valid, w_ptrs, n_mask, K, N * stride_wn, GATED, SWAP, "fp8",
-                            BLOCK_M, BLOCK_N, BLOCK_K)
+    if TMA:
+        w_row0 = (expert * (stride_we // stride_wn)).to(tl.int32) + tl.min(offs_n)
+        acc, acc_up = tma_gemm_loop(a_desc, a_row0, w_desc, w_row0, N, K, GATED, SWAP, BLOCK_M,
+                                    BLOCK_N, BLOCK_K)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = (w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+                  + offs_k[None, :])
+        acc, acc_up = gemm_loop(a_ptrs, valid, w_ptrs, n_mask, K, N * stride_wn, GATED, SWAP,
+                                "fp8", BLOCK_M, BLOCK_N, BLOCK_K)
     a_scale = tl.load(a_scale_ptr)
     ws_ptrs = ws_ptr + expert * stride_se + offs_n
     gate = unswap(acc, SWAP) * a_scale * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
@@ -168,22 +178,49 @@ def _fp8_tile(tile, a_ptr, a_scale_ptr, w_ptr, ws_ptr, out_ptr, out_scale_ptr, N
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
+def takes_tma(x: torch.Tensor, routing: Routing, *mats: torch.Tensor) -> bool:
+    """Whether the GEMMs load by the TMA: tail-block layouts (prefill), a device with a TMA
+    (sm_90+; the interpreter emulates it) and operands the TMA can address (contiguous, rows a
+    multiple of 16 bytes)."""
+    if not routing.tail_m or routing.direct:
+        return False
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all(m.is_contiguous() and m.shape[-1] % 16 == 0 for m in mats)
+
+
+def _descriptors(a, w, routing: Routing, cfg: GemmConfig, tma: bool):
+    """(a_desc, a_tail_desc, w_desc) of a TMA launch: activation row blocks of block_m and
+    tail_m rows, weights as the 2-D [E * rows, K] they are; Nones otherwise."""
+    if not tma:
+        return None, None, None
+    k = a.shape[1]
+    w2d = w.view(-1, k)
+
+    def rows_of(t, rows):
+        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, cfg.block_k])
+    return rows_of(a, cfg.block_m), rows_of(a, routing.tail_m), rows_of(w2d, cfg.block_n)
+
+
 def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, k, gated,
-          act, cfg: GemmConfig):
+          act, cfg: GemmConfig, tma: bool = False):
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
+    a_desc, a_tail_desc, w_desc = _descriptors(a, w, routing, cfg, tma)
     _moe_fp8_kernel[grid](
-        a, a_scale, w, ws, out, out_scale, *routing_ptrs(routing), *tail_ptrs(routing), numel,
-        top_k, routing.m_blocks, n, k, a.stride(0), w.stride(0), w.stride(1), ws.stride(0),
-        out.stride(0), ACT=TL_DTYPES[act], GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        TAIL_M=routing.tail_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a, a_desc, a_tail_desc, a_scale, w, w_desc, ws, out, out_scale, *routing_ptrs(routing),
+        *tail_ptrs(routing), numel, top_k, routing.m_blocks, n, k, a.stride(0), w.stride(0),
+        w.stride(1), ws.stride(0), out.stride(0), ACT=TL_DTYPES[act], GATED=gated,
+        DIRECT=routing.direct, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TAIL_M=routing.tail_m, TMA=tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 @register(OP, "triton")
 def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
-                   out_dtype=None, direct=None, config13=None, config2=None):
-    """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
+                   out_dtype=None, direct=None, config13=None, config2=None, tma=None):
+    """Launcher. `direct` / `config*` / `tma` override the launch choices (tests and bench/
+    only; `tma` needs a tail-block layout)."""
     e, inner, act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
                                   a13_scale, a2_scale, out_dtype)
     t, h = x.shape
@@ -200,11 +237,15 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
         if config2 is None:  # 4 warps: 14.42 vs 14.67 ms at 16K tokens (BENCHMARKS, run 4)
             c2 = GemmConfig(128, 128, 128, 4, 3, tail_m=tail_m)
     routing = plan_routing(topk_ids, e, c13.block_m, direct, 0 if direct else c13.tail_m)
-    xq = x.contiguous() if x.dtype in FP8 else quant_fp8_per_tensor(x, a13_scale)
+    tma = takes_tma(x, routing, x, w13, w2) if tma is None else tma
+    if tma:  # the activations gathered into sorted rows as they are quantized
+        xq = quant_fp8_sorted_rows(x, a13_scale, routing.slot_rows, routing.rows)
+    else:
+        xq = x.contiguous() if x.dtype in FP8 else quant_fp8_per_tensor(x, a13_scale)
     hq = torch.empty((routing.rows, inner), dtype=FP8[0], device=x.device)
     _gemm(xq, a13_scale, w13, w13_scale, hq, a2_scale, routing, numel, top_k, inner, h, True,
-          act, c13)
+          act, c13, tma)
     y = torch.empty((numel, h), dtype=act, device=x.device)
     _gemm(hq, a2_scale, w2, w2_scale, y, a2_scale, routing, numel, top_k, h, inner, False,
-          act, c2)
+          act, c2, tma)
     return combine(y, topk_weights, t)

@@ -12,7 +12,7 @@ from _moe_testdata import activation_scales, dense_experts, moe_args, pack_exper
 from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE, on_cpu
-from plugins import _moe_common, _moe_sort, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
+from plugins import _fp8_act, _moe_common, _moe_sort, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
 
 pytestmark = pytest.mark.kernel
 
@@ -164,6 +164,8 @@ def test_align_places_every_pair_exactly_once(t, experts, one_program, tail_m, m
             block += 1
     total = sum(padded for _, padded, _ in layout)
     assert int(r.num_rows.cpu()) == total
+    slot_rows = r.slot_rows.long().cpu()  # the inverse map: slot -> its row
+    assert torch.equal(slots[slot_rows], torch.arange(numel))
     assert (slots[total:] == numel).all()
     assert (owners[block:] == -1).all()
     if t == "skewed":  # the layout has tail blocks and blocks padded whole
@@ -171,17 +173,44 @@ def test_align_places_every_pair_exactly_once(t, experts, one_program, tail_m, m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_tail_blocks(dtype):
+@pytest.mark.parametrize("codes", [False, True])
+def test_fp8_tail_blocks(dtype, codes):
     """moe_fp8 on the tail-block layout (prefill's): an expert's last <= 16 rows on a 16-row
     tile with the weights on the MMA's M side, the other blocks on 32-row tiles, both GEMMs.
-    Counts: 40 = 32 + 8 (tail), 22 (padded whole), 12 and 16 (tails), 38 = 32 + 6, 5, 27."""
+    Counts: 40 = 32 + 8 (tail), 22 (padded whole), 12 and 16 (tails), 38 = 32 + 6, 5, 27.
+    The launcher loads this layout by the TMA (activations gathered into sorted rows); the
+    per-thread loads of the other layouts must give the same bits. K = 80 ends in a partial
+    64-deep tile (the TMA's zero fill); `codes`: x given as FP8 codes already."""
     ids = _ids_with_counts([40, 22, 12, 16, 0, 38, 5, 27], K)
     args = _case("fp8", dtype, ids.shape[0], seed=11, ids=ids)
+    if codes:
+        args = (quantize_fp8_activation(args[0].cpu(), args[7].cpu()).to(KERNEL_DEVICE),
+                *args[1:], dtype)
     gemm = _moe_common.GemmConfig
-    out = moe_fp8.moe_fp8_triton(*args, direct=False, config13=gemm(32, 32, 64, 4, 2, tail_m=16),
-                                 config2=gemm(32, 32, 64, 4, 2, tail_m=16))
+    c13, c2 = gemm(32, 32, 64, 4, 2, tail_m=16), gemm(32, 32, 64, 4, 2, tail_m=16)
+    routing = _moe_common.plan_routing(args[1], E, 32, False, 16)
+    assert moe_fp8.takes_tma(args[0], routing, args[0], args[3], args[5])
+    out = moe_fp8.moe_fp8_triton(*args, direct=False, config13=c13, config2=c2)
     torch.testing.assert_close(out.cpu(), moe_fp8.ref_moe_fp8(*on_cpu(args)),
                                **_tolerance("fp8", dtype))
+    per_thread = moe_fp8.moe_fp8_triton(*args, direct=False, config13=c13, config2=c2, tma=False)
+    assert torch.equal(out, per_thread)
+
+
+def test_fp8_sorted_row_quantizer_writes_each_token_to_its_rows():
+    """Token t's codes land in rows slot_rows[t*k + j] (the same bits as
+    quant_fp8_per_tensor), for floating x and for x given as codes; 333 channels: a partial
+    column tile; rows no slot maps to are not written."""
+    t, h, k, rows = 29, 333, 3, 100
+    x = (torch.randn(t, h, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    scale = torch.tensor(0.02)
+    slot_rows = torch.randperm(rows, generator=torch.Generator().manual_seed(3))[:t * k]
+    dev = [v.to(KERNEL_DEVICE) for v in (x, scale, slot_rows.int())]
+    codes = _fp8_act.quant_fp8_per_tensor(dev[0], dev[1]).cpu().view(torch.uint8)
+    for given in (dev[0], codes.view(torch.float8_e4m3fn).to(KERNEL_DEVICE)):
+        got = _fp8_act.quant_fp8_sorted_rows(given, dev[1], dev[2], rows).cpu().view(torch.uint8)
+        assert got.shape == (rows, h)
+        assert torch.equal(got[slot_rows], codes.repeat_interleave(k, 0))
 
 
 @pytest.mark.parametrize("fmt,c13,c2,reason", [
