@@ -180,13 +180,14 @@ def _fp8_tile(tile, a_ptr, a_desc, a_row0, a_scale_ptr, w_ptr, w_desc, ws_ptr, o
 
 def takes_tma(x: torch.Tensor, routing: Routing, *mats: torch.Tensor) -> bool:
     """Whether the GEMMs load by the TMA: tail-block layouts (prefill), a device with a TMA
-    (sm_90+; the interpreter emulates it) and operands the TMA can address (contiguous, rows a
-    multiple of 16 bytes)."""
+    (sm_90+; the interpreter emulates it) and operands the TMA can address (contiguous,
+    16-byte aligned, rows a multiple of 16 bytes)."""
     if not routing.tail_m or routing.direct:
         return False
     if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
-    return all(m.is_contiguous() and m.shape[-1] % 16 == 0 for m in mats)
+    return all(m.is_contiguous() and m.data_ptr() % 16 == 0 and m.shape[-1] % 16 == 0
+               for m in mats)
 
 
 def _descriptors(a, w, routing: Routing, cfg: GemmConfig, tma: bool):
