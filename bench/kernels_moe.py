@@ -88,6 +88,23 @@ def check(ctx, fmt, got, want, what="moe") -> str:
     return f"rel {ctx.rel_err(got, want):.1e} {'ok' if ok else 'OVER TOL'}"
 
 
+def fp8_prefill_case(tokens: int):
+    """(config, ceilings, moe_fp8 args, FLOPs) of the FP8 prefill probes: Beam-1.0 experts and
+    routing as the bench's prefill row, static scales from x's range and H_AMAX; prints the
+    ceilings measured for it."""
+    cfg = preset("beam-1.0-501b")
+    import kernels as kb  # the ceilings' module imports this one
+
+    ceil = kb.measure_ceilings()
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, FP8 {ceil['fp8_TFLOPs']:.0f} TFLOP/s")
+    packed = experts("fp8", cfg, seed=1)
+    x, ids, w = routing(cfg, tokens, seed=tokens)
+    scales = {"a13_scale": (x.abs().amax().float() / 448).reshape(()),
+              "a2_scale": torch.tensor(H_AMAX / 448, device=DEV)}
+    flops = 2 * tokens * ids.shape[1] * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return cfg, ceil, moe_args("fp8", x, ids, w, packed, scales), flops
+
+
 def graph_replays_new_routing(cfg, fmt, packed, scales, t) -> str:
     """Capture the op once, then replay it on new x / routing copied into the same tensors."""
     op = getattr(torch.ops.beam, f"moe_{fmt}")

@@ -13,7 +13,6 @@ import torch
 
 import kernels as kb
 import kernels_moe as km
-from beam_trtllm.config import preset
 from plugins import moe_fp8
 from plugins._moe_common import GemmConfig
 
@@ -33,16 +32,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--tails", default="0,16,32,64")
     opts = parser.parse_args(argv)
-    cfg = preset("beam-1.0-501b")
-    ceil = kb.measure_ceilings()
-    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, FP8 {ceil['fp8_TFLOPs']:.0f} TFLOP/s")
-    packed = km.experts("fp8", cfg, seed=1)
-    x, ids, w = km.routing(cfg, opts.tokens, seed=opts.tokens)
-    scales = {"a13_scale": (x.abs().amax().float() / 448).reshape(()),
-              "a2_scale": torch.tensor(km.H_AMAX / 448, device="cuda")}
-    args = km.moe_args("fp8", x, ids, w, packed, scales)
+    cfg, ceil, args, flops = km.fp8_prefill_case(opts.tokens)
+    ids = args[1]
     ref = moe_fp8.ref_moe_fp8(*args)
-    flops = 2 * opts.tokens * 8 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     ctx = type("Ctx", (), {"rel_err": staticmethod(kb.rel_err)})
     print("| tail_m | rows / pairs | ms | TFLOP/s | % of FP8 rate | check |")
     print("| ---: | ---: | ---: | ---: | ---: | --- |")

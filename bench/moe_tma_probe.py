@@ -15,7 +15,6 @@ import torch
 
 import kernels as kb
 import kernels_moe as km
-from beam_trtllm.config import preset
 from plugins import moe_fp8
 from plugins._fp8_act import quant_fp8_per_tensor, quant_fp8_sorted_rows
 from plugins._moe_common import GemmConfig, plan_routing
@@ -67,15 +66,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
     opts = parser.parse_args(argv)
-    cfg = preset("beam-1.0-501b")
-    ceil = kb.measure_ceilings()
-    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, FP8 {ceil['fp8_TFLOPs']:.0f} TFLOP/s")
-    packed = km.experts("fp8", cfg, seed=1)
-    x, ids, w = km.routing(cfg, opts.tokens, seed=opts.tokens)
-    scales = {"a13_scale": (x.abs().amax().float() / 448).reshape(()),
-              "a2_scale": torch.tensor(km.H_AMAX / 448, device="cuda")}
-    args = km.moe_args("fp8", x, ids, w, packed, scales)
-    flops = 2 * opts.tokens * 8 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    _, ceil, args, flops = km.fp8_prefill_case(opts.tokens)
     outs, runs = gemm_runs(args)
     first = {}
     print("| GEMM | loads, launch shape | ms | % of FP8 rate | bits equal to per-thread |")
