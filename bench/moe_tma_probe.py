@@ -58,6 +58,13 @@ def gemm_runs(args):
         ("TMA 4w3s", "down", g2(DOWN, True)),
         ("TMA 4w3s group 4", "down", g2(with_(DOWN, group_m=4), True)),
         ("TMA 4w4s", "down", g2(with_(DOWN, num_stages=4), True)),
+        ("TMA 256 wide swapped 8w3s", "down", g2(with_(DOWN, block_n=256, num_warps=8,
+                                                         swap=True), True)),
+        ("TMA 256 wide swapped bk64 8w4s", "down", g2(with_(DOWN, block_n=256, block_k=64,
+                                                              num_warps=8, num_stages=4,
+                                                              swap=True), True)),
+        ("TMA 256 wide 8w3s (spills 112 B)", "down", g2(with_(DOWN, block_n=256, num_warps=8),
+                                                        True)),
     ]
     return outs, runs
 
