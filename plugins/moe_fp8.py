@@ -178,11 +178,17 @@ def _fp8_tile(tile, a_ptr, a_desc, a_row0, a_scale_ptr, w_ptr, w_desc, ws_ptr, o
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-def takes_tma(x: torch.Tensor, routing: Routing, *mats: torch.Tensor) -> bool:
+TMA_MAX_BOX = 256  # rows or columns of one TMA copy (cuTensorMapEncodeTiled's boxDim limit)
+
+
+def takes_tma(x: torch.Tensor, routing: Routing, configs, *mats: torch.Tensor) -> bool:
     """Whether the GEMMs load by the TMA: tail-block layouts (prefill), a device with a TMA
-    (sm_90+; the interpreter emulates it) and operands the TMA can address (contiguous,
-    16-byte aligned, rows a multiple of 16 bytes)."""
+    (sm_90+; the interpreter emulates it), tiles one TMA copy can fill (at most 256 rows and
+    columns, rows of at least 16 bytes) and operands the TMA can address (contiguous, 16-byte
+    aligned, rows a multiple of 16 bytes)."""
     if not routing.tail_m or routing.direct:
+        return False
+    if any(max(c.block_m, c.block_n, c.block_k) > TMA_MAX_BOX or c.block_k < 16 for c in configs):
         return False
     if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
@@ -238,7 +244,7 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
         if config2 is None:  # 4 warps: 14.42 vs 14.67 ms at 16K tokens (BENCHMARKS, run 4)
             c2 = GemmConfig(128, 128, 128, 4, 3, tail_m=tail_m)
     routing = plan_routing(topk_ids, e, c13.block_m, direct, 0 if direct else c13.tail_m)
-    tma = takes_tma(x, routing, x, w13, w2) if tma is None else tma
+    tma = takes_tma(x, routing, (c13, c2), x, w13, w2) if tma is None else tma
     if tma:  # the activations gathered into sorted rows as they are quantized
         xq = quant_fp8_sorted_rows(x, a13_scale, routing.slot_rows, routing.rows)
     else:

@@ -189,7 +189,9 @@ def test_fp8_tail_blocks(dtype, codes):
     gemm = _moe_common.GemmConfig
     c13, c2 = gemm(32, 32, 64, 4, 2, tail_m=16), gemm(32, 32, 64, 4, 2, tail_m=16)
     routing = _moe_common.plan_routing(args[1], E, 32, False, 16)
-    assert moe_fp8.takes_tma(args[0], routing, args[0], args[3], args[5])
+    assert moe_fp8.takes_tma(args[0], routing, (c13, c2), args[0], args[3], args[5])
+    wide = _moe_common.GemmConfig(32, 32, 512, 4, 2, tail_m=16)  # K tile past one TMA copy
+    assert not moe_fp8.takes_tma(args[0], routing, (c13, wide), args[0], args[3], args[5])
     out = moe_fp8.moe_fp8_triton(*args, direct=False, config13=c13, config2=c2)
     torch.testing.assert_close(out.cpu(), moe_fp8.ref_moe_fp8(*on_cpu(args)),
                                **_tolerance("fp8", dtype))
