@@ -19,9 +19,9 @@ import triton.language as tl
 from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 
 from ._checks import _expect, check_device, check_linear_x, check_tensor
-from ._gemm import acc_zeros, dot_precision, mma, round_to, tile_of, unswap
+from ._gemm import dot_precision, round_to, tile_of, unswap
 from .moe_nvfp4 import use_asm
-from ._tiles import linear_config, load_nvfp4_tile, nvfp4_activations, nvfp4_side, nvfp4_tile
+from ._tiles import linear_config, nvfp4_k_loop, nvfp4_side
 from .registry import dispatch, register
 from .tuning import tuned_linear
 
@@ -76,32 +76,8 @@ def _linear_nvfp4_kernel(x_ptr, w_ptr, ws_ptr, ws2_ptr, y_ptr, M, N, K, stride_x
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_kw[None, :]
     s_ptrs = ws_ptr + offs_n.to(tl.int64)[:, None] * stride_sn + offs_ks[None, :]
     dtype: tl.constexpr = x_ptr.dtype.element_ty
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    if EVEN_K:  # no K masks: the scales are wide enough for the pipelined async copies too
-        for k0 in range(0, K, BLOCK_K):
-            a = nvfp4_activations(tl.load(x_ptrs, mask=m_mask[:, None], other=0.0), ASM, SIDE,
-                                  BLOCK_M, BLOCK_K)
-            w = load_nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K, dtype, ASM,
-                                SIDE)
-            acc = mma(acc, a, w, SWAP, PRECISION)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K // 8
-            s_ptrs += BLOCK_K // 16
-    else:  # block scales loaded one step ahead by hand (masked: too narrow for async copies)
-        scales = tl.load(s_ptrs, mask=n_mask[:, None] & (offs_ks < K // 16)[None, :], other=0.0)
-        for k0 in range(0, K, BLOCK_K):
-            left = K - k0
-            a = tl.load(x_ptrs, mask=m_mask[:, None] & (offs_k < left)[None, :], other=0.0)
-            a = nvfp4_activations(a, ASM, SIDE, BLOCK_M, BLOCK_K)
-            words = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_kw < left // 8)[None, :], other=0)
-            s_ptrs += BLOCK_K // 16
-            s_mask = n_mask[:, None] & (offs_ks < (left - BLOCK_K) // 16)[None, :]
-            scales_next = tl.load(s_ptrs, mask=s_mask, other=0.0)
-            w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
-            acc = mma(acc, a, w, SWAP, PRECISION)
-            scales = scales_next
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K // 8
+    acc = nvfp4_k_loop(x_ptrs, w_ptrs, s_ptrs, m_mask, n_mask, 0, 0, K, False, EVEN_K, SWAP, ASM,
+                       SIDE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)[0]
     out = round_to(unswap(acc, SWAP) * (tl.load(ws2_ptr) * 256.0), dtype)
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, out.to(dtype), mask=m_mask[:, None] & n_mask[None, :])

@@ -30,13 +30,13 @@ import triton.language as tl
 from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 
 from ._checks import _expect, check_device
-from ._gemm import acc_zeros, dot_precision, mma, round_to, silu_mul, tile_of, unswap
+from ._gemm import dot_precision, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, GemmConfig, Routing, block_tile, check_expert_weights, check_ids_in_range,
     check_routing, check_tensor, combine, configs_for, fake_moe, past_last_row, plan_routing,
     ref_moe, routing_ptrs,
 )
-from ._tiles import load_nvfp4_tile, nvfp4_activations, nvfp4_side, nvfp4_tile
+from ._tiles import nvfp4_k_loop, nvfp4_side
 from .registry import dispatch, register, triton_interpreted
 from .tuning import tuned_moe
 
@@ -119,14 +119,9 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
     w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + offs_kw[None, :]
     s_ptrs = ws_ptr + expert * stride_se + rows_n * stride_sn + offs_ks[None, :]
     row_step_w, row_step_s = N * stride_wn, N * stride_sn  # gate row n -> up row N + n
-    if EVEN_K:
-        acc, acc_up = _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s,
-                                   K, GATED, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
-                                   BLOCK_K)
-    else:
-        acc, acc_up = _masked_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w,
-                                     row_step_s, K, GATED, SWAP, ASM, SIDE, PRECISION, BLOCK_M,
-                                     BLOCK_N, BLOCK_K)
+    acc, acc_up = nvfp4_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
+                               GATED, EVEN_K, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
+                               BLOCK_K)
     scale_2 = tl.load(ws2_ptr + expert) * 256.0
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     if GATED:
@@ -137,71 +132,6 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
         out_rows = slots
     out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, out.to(out_dtype), mask=valid[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
-                 GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
-                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """K % BLOCK_K == 0: no K masks, so every tile (the scales too) is a copy wide enough for
-    the pipeliner's asynchronous copies (H200, T=1: 157.9 -> 125.5 us with the same decode)."""
-    dtype: tl.constexpr = a_ptrs.dtype.element_ty
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    for k0 in range(0, K, BLOCK_K):
-        a = nvfp4_activations(tl.load(a_ptrs, mask=valid[:, None], other=0.0), ASM, SIDE,
-                              BLOCK_M, BLOCK_K)
-        w = load_nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
-        acc = mma(acc, a, w, SWAP, PRECISION)
-        if GATED:
-            w_up = load_nvfp4_tile(w_ptrs + row_step_w, s_ptrs + row_step_s, n_mask[:, None],
-                                   BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
-            acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8
-        s_ptrs += BLOCK_K // 16
-    return acc, acc_up
-
-
-@triton.jit
-def _masked_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
-                   GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """Any K: the masked E4M3 block scales are too narrow for the asynchronous copies that
-    pipeline the other tiles, so they are loaded one step ahead by hand (else every step waits
-    on a global load: measured NVFP4 decode at 4x its read floor)."""
-    dtype: tl.constexpr = a_ptrs.dtype.element_ty
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_kw = tl.arange(0, BLOCK_K // 8)
-    offs_ks = tl.arange(0, BLOCK_K // 16)
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    s_mask = n_mask[:, None] & (offs_ks < K // 16)[None, :]
-    scales = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    scales_up = tl.load(s_ptrs + row_step_s, mask=s_mask & GATED, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
-        left = K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < left)[None, :], other=0.0)
-        a = nvfp4_activations(a, ASM, SIDE, BLOCK_M, BLOCK_K)
-        w_mask = n_mask[:, None] & (offs_kw < left // 8)[None, :]
-        s_next_mask = n_mask[:, None] & (offs_ks < (left - BLOCK_K) // 16)[None, :]
-        s_ptrs += BLOCK_K // 16
-        scales_next = tl.load(s_ptrs, mask=s_next_mask, other=0.0)
-        scales_up_next = tl.load(s_ptrs + row_step_s, mask=s_next_mask & GATED, other=0.0)
-        words = tl.load(w_ptrs, mask=w_mask, other=0)
-        w = nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
-        acc = mma(acc, a, w, SWAP, PRECISION)
-        if GATED:
-            words = tl.load(w_ptrs + row_step_w, mask=w_mask, other=0)
-            w_up = nvfp4_tile(words, scales_up.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
-            acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
-        scales = scales_next
-        scales_up = scales_up_next
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8
-    return acc, acc_up
 
 
 def use_asm(dtype: torch.dtype) -> bool:
