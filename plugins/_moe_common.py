@@ -217,7 +217,12 @@ def configs_for(numel: int, num_experts: int, config13, config2, block_k: int = 
         raise PluginError(f"both GEMMs share one token sort: tail_m {c13.tail_m} != {c2.tail_m}")
     if c13.tail_m and not tails:
         raise PluginError(f"tail_m={c13.tail_m}: this op's kernels have no tail blocks")
-    tail = c13.tail_m
-    if tail and (tail & (tail - 1) or not 16 <= tail < c13.block_m):
-        raise PluginError(f"tail_m={tail}: a power of two from 16 to below block_m={c13.block_m}")
+    if not tail_m_fits(c13.tail_m, c13.block_m):
+        raise PluginError(f"tail_m={c13.tail_m}: a power of two from 16 to below "
+                          f"block_m={c13.block_m}")
     return c13, c2
+
+
+def tail_m_fits(tail_m: int, block_m: int) -> bool:
+    """0 (no tail blocks) or a power of two from 16 (the smallest MMA tile) below block_m."""
+    return not tail_m or (not tail_m & (tail_m - 1) and 16 <= tail_m < block_m)

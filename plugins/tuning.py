@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from ._moe_common import GemmConfig
+from ._moe_common import GemmConfig, tail_m_fits
 from .registry import PluginError
 
 FORMAT = "beam-trt-tuned-kernels"
@@ -211,7 +211,7 @@ def _gemm(raw, where: str) -> GemmConfig:
         raise TuningError(f"{where}: swap must be true or false, got {config.swap!r}")
     tail = config.tail_m
     if isinstance(tail, bool) or not isinstance(tail, int) or \
-            (tail and (tail & (tail - 1) or not 16 <= tail < config.block_m)):
+            not tail_m_fits(tail, config.block_m):
         raise TuningError(f"{where}: tail_m must be 0 or a power of two from 16 to below "
                           f"block_m={config.block_m}, got {tail!r}")
     return config
