@@ -59,5 +59,5 @@ def store_output(out_ptr, offs, o, mask, out_scale_ptr, ACT: tl.constexpr,
     scale at out_scale_ptr (the o_proj's input_scale: its W8A8 GEMM reads them directly)."""
     o = cast_rne(o, ACT)
     if OUT_FP8:
-        o = fp8_codes(o.to(tl.float32), tl.load(out_scale_ptr)).to(tl.float8e4nv)
+        o = fp8_codes(o.to(tl.float32), tl.load(out_scale_ptr))
     tl.store(out_ptr + offs, o, mask=mask)

@@ -142,6 +142,35 @@ def bf16_grid(x):
 
 
 @triton.jit
+def div_rn_by(x, s):
+    """RN(x / s) in FP32 for an FP32 divisor s (a scalar, or a column broadcast along rows)
+    shared by many x: RN32(x · RN64(1/s)) in FP64. Exact wherever the quotient is a normal
+    FP32: the FP64 product is within 2^-52 (relative) of x/s, while x/s, unless it is one
+    itself, is at least ~2^-49 away from any FP32 rounding midpoint (a 25-bit significand;
+    x/s equal to one would need x = M·s, more than 24 bits), so both round alike. Subnormal
+    quotients may differ by one ulp; the FP8 quantizers round those to ±0 either way.
+    bench/div_probe.py compares it with div.rn on the H200. Per element: two conversions and a
+    DMUL; div.rn.f32 is a range check and a branch to a slow path per element, which kept
+    add_rmsnorm_fp8's 8 quotients a thread from overlapping (4.7 µs at batch 1 against 2.7
+    without codes, H200)."""
+    s_inv = 1.0 / s.to(tl.float64)  # div.rn.f64
+    return (x.to(tl.float64) * s_inv).to(tl.float32)
+
+
+@triton.jit
+def to_e4m3(x):
+    """FP32 x -> float8_e4m3fn saturated to ±448 and rounded to nearest even: torch's
+    `x.clamp(-448, 448).to(float8_e4m3fn)`, NaN kept. Compiled, Triton's cast is one
+    `cvt.rn.satfinite.e4m3x2.f32` a pair, which rounds and saturates exactly so (the bit
+    arithmetic of e4m3_grid cost add_rmsnorm_fp8 ~2 µs of its 5 at batch 1 on the H200); the
+    interpreter's cast neither rounds to nearest nor saturates, so there x is put on the grid
+    first."""
+    if INTERPRETED:
+        x = e4m3_grid(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
 def e4m3_grid(x):
     """FP32 x saturated to ±448 and rounded to nearest-even float8_e4m3fn, as an exact FP32
     (NaN stays NaN, as torch's cast keeps it; plain min / max would turn it into a bound)."""
@@ -164,7 +193,7 @@ def cast_rne(x, dtype: tl.constexpr):
         if INTERPRETED:  # (compiled, the cast below rounds to nearest even itself)
             x = bf16_grid(x)
     elif dtype == tl.float8e4nv:
-        x = e4m3_grid(x)
+        return to_e4m3(x)
     return x.to(dtype)
 
 

@@ -5,8 +5,9 @@
 - per token per 128 channels (dynamic): s = max(amax, 1e-10) / 448, q = fp8_e4m3(x / s)
 - per tensor into an MoE's sorted rows: token t's codes go to the k rows the token sort gave
   its slots, so the prefill GEMMs read whole row blocks (by the TMA)
-Both divide with IEEE rounding (tl.div_rn) and round with plugins._common.e4m3_grid, so the
-codes equal those of beam_trtllm.quant_formats on the GPU and in Triton's interpreter.
+All divide with IEEE rounding (plugins._common.div_rn_by) and round with
+plugins._common.to_e4m3, so the codes equal those of beam_trtllm.quant_formats on the GPU and
+in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton.language as tl
 
 from beam_trtllm.quant_formats import FP8_BLOCK
 
-from ._common import e4m3_grid
+from ._common import div_rn_by, to_e4m3
 
 FP8 = torch.float8_e4m3fn
 ACT_EPS = 1e-10  # keeps an all-zero group's scale finite (quant_formats uses the same)
@@ -25,10 +26,20 @@ ACT_EPS = 1e-10  # keeps an all-zero group's scale finite (quant_formats uses th
 
 @triton.jit
 def fp8_codes(x, scale):
-    """FP32 x -> the static per-tensor quantizer's codes fp8(clamp(x / scale, +-448)), as exact
-    FP32 values (store them with `.to(tl.float8e4nv)`). Every producer of FP8 activations
-    (this file's kernel, the norms, the attention epilogues) quantizes through here."""
-    return e4m3_grid(tl.div_rn(x, scale))
+    """FP32 x -> the static per-tensor quantizer's codes fp8(clamp(x / scale, +-448)) (float8
+    e4m3fn). Every producer of FP8 activations (this file's kernels, the norms, the attention
+    epilogues) quantizes through here."""
+    return to_e4m3(div_rn_by(x, scale))
+
+
+@triton.jit
+def load_fp8_scale(s_ptr, QUANT: tl.constexpr):
+    """A kernel's static FP8 scale (1.0 unless QUANT), to be loaded before the kernel's first
+    store: after a store the load cannot move ahead of it (the pointers may alias), and its
+    latency then sits at the end of a batch-1 kernel."""
+    if QUANT:
+        return tl.load(s_ptr)
+    return 1.0
 
 
 @triton.jit
@@ -37,7 +48,7 @@ def _quant_per_tensor_kernel(x_ptr, s_ptr, q_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     q = fp8_codes(x, tl.load(s_ptr))
-    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=mask)
+    tl.store(q_ptr + offs, q, mask=mask)
 
 
 @triton.jit
@@ -51,7 +62,7 @@ def _quant_sorted_rows_kernel(x_ptr, s_ptr, slot_rows_ptr, q_ptr, T, K, stride_x
     x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask,
                 other=0.0)
     if not CODES:  # else x holds the codes already
-        x = fp8_codes(x.to(tl.float32), tl.load(s_ptr)).to(tl.float8e4nv)
+        x = fp8_codes(x.to(tl.float32), tl.load(s_ptr))
     for j in tl.static_range(TOP_K):
         rows = tl.load(slot_rows_ptr + tokens * TOP_K + j, mask=tokens < T, other=0)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], x, mask=mask)
@@ -77,10 +88,10 @@ def quant_fp8_sorted_rows(x: torch.Tensor, scale: torch.Tensor, slot_rows: torch
 
 @triton.jit
 def quant_block_tile(x, eps):
-    """x [R, 128] FP32 -> (exact-FP32 codes [R, 128], scale [R]) for one 128-channel group."""
+    """x [R, 128] FP32 -> (FP8 codes [R, 128], scale [R]) for one 128-channel group."""
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.div_rn(tl.maximum(amax, eps), 448.0)
-    return e4m3_grid(tl.div_rn(x, scale[:, None])), scale
+    return to_e4m3(div_rn_by(x, scale[:, None])), scale
 
 
 @triton.jit
@@ -93,7 +104,7 @@ def _quant_per_token_block_kernel(x_ptr, q_ptr, s_ptr, T, K, KB, stride_x, strid
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     q, scale = quant_block_tile(x.to(tl.float32), eps)
-    tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(tl.float8e4nv), mask=mask)
+    tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows64 * KB + group, scale, mask=rows < T)
 
 

@@ -7,6 +7,9 @@ add, next pre-norm.
 
 Shapes / dtypes: h [T, H], y [T, H] (fp32, bf16 or fp16, the same dtype), w_post [H],
 w_pre [H]; a, b, eps python floats -> (h' [T, H], x [T, H]) in h's dtype.
+y may also be [S, T, H] FP32 partial sums (beam::linear_fp8's split_k output): y is then
+their sum in order (y[0] + y[1] + ...), rounded to h's dtype, as the split GEMM's own output
+would be; the whole-row kernel adds them as it loads y (no reduction launch).
 Contract: functional, returns two new tensors (no out=; h is not updated in place).
 Matches `reference.residual_add(h, rms_norm(y, w_post), a, b)` followed by
 `rms_norm(h', w_pre)`; for the last layer w_pre is `model.norm.weight`. CUDA-graph safe.
@@ -25,15 +28,26 @@ import triton.language as tl
 from beam_trtllm.reference import residual_add, rms_norm
 
 from ._common import FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2
-from ._fp8_act import fp8_codes
+from ._fp8_act import fp8_codes, load_fp8_scale
 from .registry import dispatch, register
 from .rmsnorm import row_launch_params
 
 OP = "add_rmsnorm"
 
 
+def sum_partials(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T, H], or the sum in order of FP32 partials [S, T, H] rounded to dtype."""
+    if y.dim() == 2:
+        return y
+    total = y[0]
+    for part in y[1:]:
+        total = total + part
+    return total.to(dtype)
+
+
 @register(OP, "reference")
 def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
+    y = sum_partials(y, h.dtype)
     h_new = residual_add(h, rms_norm(y, w_post, eps), a, b)
     return h_new, rms_norm(h_new, w_pre, eps)
 
@@ -47,27 +61,30 @@ def _residual(h, y, inv_rms_y, w_post, a, b, y_dtype: tl.constexpr, dtype: tl.co
 
 
 @triton.jit
-def _store_x(x_ptrs, q_ptrs, qs_ptr, h_new, inv_rms_h, w_pre, mask, dtype: tl.constexpr,
+def _store_x(x_ptrs, q_ptrs, x_scale, h_new, inv_rms_h, w_pre, mask, dtype: tl.constexpr,
              QUANT: tl.constexpr):
     """x = RMSNorm(h'; w_pre) rounded to dtype, stored; QUANT: also its FP8 codes with the
-    static scale at qs_ptr."""
+    static scale x_scale."""
     x = cast_rne(h_new * inv_rms_h * w_pre, dtype)
     tl.store(x_ptrs, x, mask=mask)
     if QUANT:
-        q = fp8_codes(x.to(tl.float32), tl.load(qs_ptr))
-        tl.store(q_ptrs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(q_ptrs, fp8_codes(x.to(tl.float32), x_scale), mask=mask)
+
 
 
 @triton.jit
 def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_ptr, qs_ptr, T,
-                        stride_h, stride_y, stride_ho, stride_x, stride_q, H, a, b, eps,
-                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-                        QUANT: tl.constexpr):
+                        stride_h, stride_y, stride_ys, stride_ho, stride_x, stride_q, H, a, b,
+                        eps, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
+                        QUANT: tl.constexpr, PARTIALS: tl.constexpr):
     # Persistent over tiles of ROWS rows, like beam::rmsnorm's kernel. QUANT: also the FP8
     # codes of the rounded x with the static scale at qs_ptr (beam::add_rmsnorm_fp8).
+    # PARTIALS > 0: y holds that many FP32 partial sums stride_ys apart, added in order and
+    # rounded to h's dtype (0: y is y, in its own dtype).
     cols = tl.arange(0, BLOCK_H)[None, :]
     w_post = tl.load(wpost_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     w_pre = tl.load(wpre_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    x_scale = load_fp8_scale(qs_ptr, QUANT)
     dtype = hout_ptr.dtype.element_ty
     for tile in tl.range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0),
                          num_stages=STAGES):
@@ -75,12 +92,18 @@ def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_pt
         mask = (rows < T) & (cols < H)
         h = tl.load(h_ptr + rows * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + rows * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        if PARTIALS > 0:
+            for part in tl.static_range(1, PARTIALS):
+                y += tl.load(y_ptr + part * stride_ys + rows * stride_y + cols, mask=mask,
+                             other=0.0)
+            y = cast_rne(y, dtype).to(tl.float32)
+        y_dtype: tl.constexpr = dtype if PARTIALS > 0 else y_ptr.dtype.element_ty
         inv_rms_y = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=1) / H + eps)
-        h_new = _residual(h, y, inv_rms_y[:, None], w_post, a, b, y_ptr.dtype.element_ty, dtype)
+        h_new = _residual(h, y, inv_rms_y[:, None], w_post, a, b, y_dtype, dtype)
         tl.store(hout_ptr + rows * stride_ho + cols, h_new, mask=mask)
         h_new = h_new.to(tl.float32)  # the next norm reads the rounded stream, as the model does
         inv_rms_h = 1.0 / tl.sqrt_rn(tl.sum(h_new * h_new, axis=1) / H + eps)
-        _store_x(x_ptr + rows * stride_x + cols, q_ptr + rows * stride_q + cols, qs_ptr, h_new,
+        _store_x(x_ptr + rows * stride_x + cols, q_ptr + rows * stride_q + cols, x_scale, h_new,
                  inv_rms_h[:, None], w_pre, mask, dtype, QUANT)
 
 
@@ -96,6 +119,7 @@ def _add_rmsnorm_chunked_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
     y_row, h_row = y_ptr + row * stride_y, h_ptr + row * stride_h
     ho_row, x_row = hout_ptr + row * stride_ho, x_ptr + row * stride_x
     dtype = hout_ptr.dtype.element_ty
+    x_scale = load_fp8_scale(qs_ptr, QUANT)
     sum_sq = tl.zeros([CHUNK], tl.float32)
     for c in range(0, H, CHUNK):
         y = tl.load(y_row + c + cols, mask=c + cols < H, other=0.0).to(tl.float32)
@@ -117,7 +141,7 @@ def _add_rmsnorm_chunked_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
         mask = c + cols < H
         h_new = tl.load(ho_row + c + cols, mask=mask, other=0.0).to(tl.float32)
         w_pre = tl.load(wpre_ptr + c + cols, mask=mask, other=0.0).to(tl.float32)
-        _store_x(x_row + c + cols, q_ptr + row * stride_q + c + cols, qs_ptr, h_new, inv_rms_h,
+        _store_x(x_row + c + cols, q_ptr + row * stride_q + c + cols, x_scale, h_new, inv_rms_h,
                  w_pre, mask, dtype, QUANT)
 
 
@@ -132,6 +156,9 @@ def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
                      x_scale: torch.Tensor | None = None):
     """Launcher of the kernels -> (h', x, FP8 codes of x with x_scale, or None)."""
     t, hidden = h.shape
+    if y.dim() == 3 and t >= CHUNKED["min_rows"]:  # (the engine splits decode GEMMs only)
+        y = sum_partials(y, h.dtype)
+    partials = y.shape[0] if y.dim() == 3 else 0
     h_new, x = torch.empty_like(h), torch.empty_like(h)
     q = None if x_scale is None else torch.empty(h.shape, dtype=FP8_DTYPE, device=h.device)
     quant = (x, w_pre, 0) if q is None else (q, x_scale, q.stride(0))  # unread if None
@@ -144,8 +171,9 @@ def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
     elif t:
         grid, p = row_launch_params(t, hidden, h.device, q is not None)
         _add_rmsnorm_kernel[(grid,)](
-            h, y, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(0),
-            h_new.stride(0), x.stride(0), quant[2], hidden, a, b, eps, QUANT=q is not None, **p)
+            h, y, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(-2),
+            y.stride(0) if partials else 0, h_new.stride(0), x.stride(0), quant[2], hidden, a, b,
+            eps, QUANT=q is not None, PARTIALS=partials, **p)
     return h_new, x, q
 
 
@@ -156,14 +184,20 @@ def _launch_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
 
 def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP) -> None:
     check_tensor(op, "h", h, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor(op, "y", y, ndim=2, dtypes=(h.dtype,), device=h.device)
-    check(y.shape == h.shape, op, f"y {tuple(y.shape)} must have h's shape {tuple(h.shape)}")
+    if y.dim() == 3:  # FP32 partial sums of y
+        check_tensor(op, "y partials", y, dtypes=(torch.float32,), device=h.device)
+        check(y.shape[1:] == h.shape and y.shape[0] >= 1, op,
+              f"y partials {tuple(y.shape)} must be [S, {', '.join(map(str, h.shape))}]")
+        check(y[0].is_contiguous(), op, "each y partial must be contiguous")
+    else:
+        check_tensor(op, "y", y, ndim=2, dtypes=(h.dtype,), device=h.device)
+        check(y.shape == h.shape, op, f"y {tuple(y.shape)} must have h's shape {tuple(h.shape)}")
     for name, w in (("w_post", w_post), ("w_pre", w_pre)):
         check_tensor(op, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=h.device)
         check(w.shape[0] == h.shape[1], op,
               f"{name} has {w.shape[0]} entries, rows have {h.shape[1]}")
         check(w.stride(0) == 1, op, f"{name} must be contiguous")
-    check(h.stride(1) == 1 and y.stride(1) == 1, op, "h and y rows must be contiguous")
+    check(h.stride(1) == 1 and y.stride(-1) == 1, op, "h and y rows must be contiguous")
 
 
 @torch.library.custom_op("beam::add_rmsnorm", mutates_args=())

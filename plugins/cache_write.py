@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2,
-                      to_cache)
+from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, div_rn_by,
+                      next_pow2, to_cache)
 from .registry import dispatch, register
 
 OP = "cache_write"
@@ -42,7 +42,7 @@ def store_cache_rows(cache_ptr, slot, block_size, stride_blk, stride_row, heads,
     """Store x ([heads, dims] FP32 values of one token) at flat `slot` (skipped when < 0)."""
     dtype = cache_ptr.dtype.element_ty
     if dtype == tl.float8e4nv:
-        x = tl.math.div_rn(x, scale)  # IEEE division: the same FP8 bits as torch's x / scale
+        x = div_rn_by(x, scale)  # IEEE division: the same FP8 bits as torch's x / scale
     base = (slot // block_size) * stride_blk + (slot % block_size) * stride_row
     tl.store(cache_ptr + base + heads + dims, cast_rne(x, dtype), mask=mask & (slot >= 0))
 

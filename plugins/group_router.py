@@ -63,6 +63,33 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, BLOCK_T: tl.
 
 
 @triton.jit
+def _order_key(score, index, INDEX_BITS: tl.constexpr):
+    """uint64 keys whose unsigned order is score descending, then index ascending: the score's
+    FP32 bits made monotone (negatives flipped, positives' sign bit set) above the index's
+    complement. One max-reduction of keys then finds the best score and the lowest index
+    holding it (the reference's tie rule), where a max and a min-of-index took two; -inf
+    (masked) maps below every finite score."""
+    bits = score.to(tl.uint32, bitcast=True)
+    monotone = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000).to(tl.uint64)
+    mask: tl.constexpr = (1 << INDEX_BITS) - 1
+    return (monotone << INDEX_BITS) | (mask - index.to(tl.uint64))
+
+
+@triton.jit
+def _key_score(key, INDEX_BITS: tl.constexpr):
+    """The FP32 score a _order_key key was made from (bit for bit)."""
+    monotone = (key >> INDEX_BITS).to(tl.uint32)
+    bits = tl.where((monotone >> 31) != 0, monotone & 0x7FFFFFFF, monotone ^ 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_index(key, INDEX_BITS: tl.constexpr):
+    mask: tl.constexpr = (1 << INDEX_BITS) - 1
+    return (mask - (key & mask)).to(tl.int32)
+
+
+@triton.jit
 def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, split_stride,
                           E: tl.constexpr, NG: tl.constexpr, EPG: tl.constexpr,
                           TOPK_GROUP: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
@@ -78,29 +105,34 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, spl
         logit += tl.load(logits_ptr + s * split_stride + t * E + expert, mask=valid, other=0.0)
     s = 1.0 / (1.0 + tl.exp(-logit))
     sb = tl.where(valid, s + tl.load(bias_ptr + expert, mask=valid, other=0.0), float("-inf"))
-    # group score: the two best biased scores of each group
-    best = tl.max(sb, axis=1)
-    first = tl.min(tl.where(sb == best[:, None], j, EPG_P2), axis=1)
-    second = tl.max(tl.where(j == first[:, None], float("-inf"), sb), axis=1)
-    group_score = tl.where(g < NG, best + second, float("-inf"))
+    key = _order_key(sb, expert, 32)  # padded lanes: -inf, below every real expert
+    # group score: the two best biased scores of each group (the best's one lane removed)
+    first = tl.max(key, axis=1)
+    second = tl.max(tl.where(key == first[:, None], 0, key), axis=1)
+    group_score = _key_score(first, 32) + _key_score(second, 32)
+    group_key = _order_key(tl.where(g < NG, group_score, float("-inf")), g, 32)
     kept = g < 0
     for _ in tl.static_range(TOPK_GROUP):
-        top = tl.max(tl.where(kept, float("-inf"), group_score), axis=0)
-        pick = tl.min(tl.where((group_score == top) & ~kept & (g < NG), g, NG_P2), axis=0)
-        kept = kept | (g == pick)
-    candidates = tl.where(kept[:, None] & valid, sb, float("-inf"))
+        top = tl.max(group_key, axis=0)
+        kept = kept | (group_key == top)
+        group_key = tl.where(group_key == top, 0, group_key)
+    key = tl.where(kept[:, None] & valid, key, 0)
     slots = tl.arange(0, K_P2)
-    chosen_w = tl.zeros([K_P2], dtype=tl.float32)
+    picks = tl.zeros([K_P2], dtype=tl.int32)
     for i in tl.static_range(K):
-        top = tl.max(tl.max(candidates, axis=1), axis=0)
-        pick = tl.min(tl.min(tl.where(candidates == top, expert, E), axis=1), axis=0)
-        hit = (expert == pick) & valid  # padded lanes alias real ids
-        chosen_w = tl.where(slots == i, tl.sum(tl.sum(tl.where(hit, s, 0.0), axis=1), axis=0),
-                            chosen_w)
-        tl.store(ids_ptr + t * K + i, pick.to(tl.int32))
-        candidates = tl.where(hit, float("-inf"), candidates)
+        top = tl.max(tl.max(key, axis=1), axis=0)
+        picks = tl.where(slots == i, _key_index(top, 32), picks)
+        key = tl.where(key == top, 0, key)
+    # the chosen experts' unbiased scores, recomputed exactly as above from their logits
+    # (before any store, which the loads could not pass)
+    chosen = tl.zeros([K_P2], tl.float32)
+    for s in tl.static_range(SPLIT):
+        chosen += tl.load(logits_ptr + s * split_stride + t * E + picks, mask=slots < K,
+                          other=0.0)
+    chosen_w = tl.where(slots < K, 1.0 / (1.0 + tl.exp(-chosen)), 0.0)
     if RENORM:
         chosen_w = tl.math.div_rn(chosen_w, tl.sum(chosen_w, axis=0))
+    tl.store(ids_ptr + t * K + slots, picks, mask=slots < K)
     tl.store(weights_ptr + t * K + slots, chosen_w * scale, mask=slots < K)
 
 

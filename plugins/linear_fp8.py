@@ -9,7 +9,12 @@ fp8_e4m3(clamp(x / input_scale, +-448)) already (what beam::add_rmsnorm_fp8, rms
 attention(out_scale=input_scale) write: the quantizer's launch is saved); weight [N, K]
 float8_e4m3fn; weight_scale fp32 [] or [N]; input_scale fp32 []; out_dtype: None for a
 floating x (the output takes x's dtype), required for FP8 codes (bf16 / fp16 / fp32).
-Output: a new [..., N] tensor (no `out=`; inputs are never written).
+Output: a new [..., N] tensor (no `out=`; inputs are never written). With split_k = S > 1
+(Triton path only): FP32 partial sums [S, ..., N] instead, split s over the input channels
+[s·c, (s+1)·c), c = ceil(K / S / 128)·128, each times input_scale · weight_scale, unrounded:
+their sum in order, rounded to out_dtype, is the output (beam::add_rmsnorm adds them as it
+reads y, so a batch-1 o_proj spreads over twice the SMs without a reduction launch;
+`decode_split_k` says when).
 On CUDA, up to SMALL_M tokens (decode) run the Triton GEMM with the weights on the MMA's M side
 (the swap-AB loop shared with beam::moe_fp8, `_gemm.gemm_loop`): cuBLAS picks a
 128-row tile for M = 1 and read the weights at 2.6-3.3x their floor in the engine bench. More
@@ -32,6 +37,7 @@ from ._checks import (ACT_DTYPES, _expect, check_device, check_linear_x, check_o
                       check_tensor)
 from ._fp8_act import quant_fp8_per_tensor
 from ._gemm import gemm_loop, round_to, tile_of, unswap
+from ._moe_common import GemmConfig
 from ._tiles import linear_config
 from .registry import dispatch, register
 from .tuning import tuned_linear
@@ -41,8 +47,16 @@ FP8 = (torch.float8_e4m3fn,)
 SMALL_M = 16  # up to this many tokens the Triton swap-AB GEMM runs on CUDA too
 
 
-def check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype=None) -> torch.dtype:
+def split_channels(k: int, split_k: int) -> int:
+    """Input channels per split of a split-K call (a multiple of 128, so every split starts
+    16-byte aligned)."""
+    return -(-k // split_k // 128) * 128 if split_k > 1 else k
+
+
+def check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype=None,
+                     split_k: int = 1) -> torch.dtype:
     """-> the output dtype."""
+    _expect(split_k >= 1, OP, f"split_k must be >= 1, got {split_k}")
     check_tensor(OP, "weight", weight, (None, None), FP8)
     n, k = weight.shape
     check_linear_x(OP, x, k, ACT_DTYPES + FP8)
@@ -56,48 +70,61 @@ def check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype=None) -> to
 
 
 @register(OP, "reference")
-def ref_linear_fp8(x, weight, weight_scale, input_scale, out_dtype=None):
-    out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype)
+def ref_linear_fp8(x, weight, weight_scale, input_scale, out_dtype=None, split_k: int = 1):
+    out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype, split_k)
     codes = x if x.dtype in FP8 else quantize_fp8_activation(x, input_scale)
     xq = codes.float() * input_scale  # FP32 math on exact decoded values
-    return F.linear(xq, dequantize_fp8(weight, weight_scale)).to(out_dtype)
+    w = dequantize_fp8(weight, weight_scale)
+    if split_k == 1:
+        return F.linear(xq, w).to(out_dtype)
+    c = split_channels(weight.shape[1], split_k)
+    return torch.stack([F.linear(xq[..., s * c:(s + 1) * c], w[:, s * c:(s + 1) * c])
+                        for s in range(split_k)])
 
 
 @torch.library.custom_op("beam::linear_fp8", mutates_args=())
 def linear_fp8(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None, split_k: int = 1,
 ) -> torch.Tensor:
-    return dispatch(OP, x.device, x, weight, weight_scale, input_scale, out_dtype)
+    return dispatch(OP, x.device, x, weight, weight_scale, input_scale, out_dtype, split_k)
 
 
 @linear_fp8.register_fake
-def _(x, weight, weight_scale, input_scale, out_dtype=None):
-    out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype)
+def _(x, weight, weight_scale, input_scale, out_dtype=None, split_k=1):
+    out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype, split_k)
+    if split_k > 1:
+        return x.new_empty((split_k, *x.shape[:-1], weight.shape[0]), dtype=torch.float32)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------- triton
 @triton.jit
-def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                       stride_ws, stride_ym, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, k_split, stride_xm,
+                       stride_wn, stride_ws, stride_ym, stride_ys, SWAP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
     # FP8 x FP8 products, promoted to FP32 every BLOCK_K (Hopper's FP8 MMA accumulates with
     # reduced precision), then * input_scale * weight_scale[n] (stride_ws = 0 broadcasts a
-    # per-tensor weight scale).
+    # per-tensor weight scale). SPLIT > 1: program axis 1 is the split of K (channels
+    # [s·k_split, (s+1)·k_split)), whose FP32 partial goes unrounded to y + s·stride_ys.
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    k_lo = tl.program_id(1) * k_split
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc, _ = gemm_loop(x_ptrs, m_mask, w_ptrs, n_mask, K, 0, False, SWAP, "fp8", BLOCK_M,
-                       BLOCK_N, BLOCK_K)
+    acc, _ = gemm_loop(x_ptrs, m_mask, w_ptrs, n_mask, tl.minimum(K - k_lo, k_split), 0, False,
+                       SWAP, "fp8", BLOCK_M, BLOCK_N, BLOCK_K)
     w_scale = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)
     dtype: tl.constexpr = y_ptr.dtype.element_ty
-    out = round_to(unswap(acc, SWAP) * tl.load(xs_ptr) * w_scale[None, :], dtype)
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    out = unswap(acc, SWAP) * tl.load(xs_ptr) * w_scale[None, :]
+    if SPLIT == 1:
+        out = round_to(out, dtype)
+    y_ptrs = (y_ptr + tl.program_id(1).to(tl.int64) * stride_ys
+              + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :])
     tl.store(y_ptrs, out.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -121,32 +148,63 @@ def _scaled_mm(xq, weight, weight_scale, input_scale, out_dtype):
                             scale_b=weight_scale.view(1, n), out_dtype=out_dtype)
 
 
+# A split call's tile: 128-deep K steps, 6 stages (60 KB of shared memory, so the 160 programs
+# of a split o_proj fit in one wave where the 256-deep default's 120 KB left 28 for a second:
+# 15.7 against 13.7 us unsplit in the engine). H200 sweep, bench/decode_sweep.py --only
+# linear_split: 10.55 us (128 deep, 6 stages), 10.90 (256, 4), 11.48 (32-row tiles).
+SPLIT_CONFIG = GemmConfig(16, 64, 128, 4, 6, swap=True)
+
+
+def _config(m: int, n: int, k: int, config=None, split_k: int = 1):
+    if config is not None:
+        return config
+    if split_k > 1:
+        return SPLIT_CONFIG
+    return tuned_linear(OP, m, n, k) or linear_config(m, 1)
+
+
+def decode_split_k(m: int, n: int, k: int, sm_count: int) -> int:
+    """Splits of K for a few-token call whose consumer adds partial sums (see the module
+    docstring): 2 when the Triton tiles would leave more than a third of the SMs idle and each
+    half keeps >= 2048 channels (o_proj [5120 x 6144] at M = 1: 80 tiles for 132 SMs; split,
+    10.5 against 12.6-13.4 us, H200 bench/decode_sweep.py --only linear_split), else 1."""
+    if m > SMALL_M:
+        return 1
+    cfg = _config(m, n, k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return 2 if 3 * tiles < 2 * sm_count and k >= 4096 else 1
+
+
 @register(OP, "triton")
-def linear_fp8_triton(x, weight, weight_scale, input_scale, out_dtype=None, use_scaled_mm=None,
-                      config=None):
+def linear_fp8_triton(x, weight, weight_scale, input_scale, out_dtype=None, split_k: int = 1,
+                      use_scaled_mm=None, config=None):
     """Launcher: quantize x with the static scale (unless it holds FP8 codes already), then the
     Triton GEMM or torch._scaled_mm (see `takes_scaled_mm`; the `use_scaled_mm` / `config`
-    arguments override the choice: tests and bench/)."""
-    out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype)
+    arguments override the choice: tests and bench/). split_k > 1 runs the Triton GEMM."""
+    out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype, split_k)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     xq = x2.contiguous() if x.dtype in FP8 else quant_fp8_per_tensor(x2, input_scale)
     if use_scaled_mm is None:
-        use_scaled_mm = takes_scaled_mm(m, n, k, weight_scale, out_dtype, x.is_cuda)
+        use_scaled_mm = split_k == 1 and takes_scaled_mm(m, n, k, weight_scale, out_dtype,
+                                                         x.is_cuda)
     if use_scaled_mm and m:
         y = _scaled_mm(xq, weight, weight_scale, input_scale, out_dtype)
         return y.reshape(*x.shape[:-1], n)
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    y = torch.empty((split_k, m, n), dtype=out_dtype if split_k == 1 else torch.float32,
+                    device=x.device)
     if m:
-        cfg = config or tuned_linear(OP, m, n, k) or linear_config(m, 1)
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        cfg = _config(m, n, k, config, split_k)
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k)
         stride_ws = 0 if weight_scale.dim() == 0 else 1
         _linear_fp8_kernel[grid](
-            xq, input_scale, weight, weight_scale, y, m, n, k, xq.stride(0), weight.stride(0),
-            stride_ws, y.stride(0), SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            xq, input_scale, weight, weight_scale, y, m, n, k, split_channels(k, split_k),
+            xq.stride(0), weight.stride(0), stride_ws, y.stride(1), y.stride(0), SWAP=cfg.swap,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            SPLIT=split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+    if split_k > 1:
+        return y.reshape(split_k, *x.shape[:-1], n)
     return y.reshape(*x.shape[:-1], n)
 

@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
 
-from ._common import e4m3_grid
+from ._common import div_rn_by, to_e4m3
 from ._fp8_act import quant_fp8_per_tensor, quant_fp8_sorted_rows
 from ._checks import ACT_DTYPES, check_device, check_out_dtype
 from ._gemm import gemm_loop, round_to, silu_mul, tile_of, tma_gemm_loop, unswap
@@ -169,7 +169,7 @@ def _fp8_tile(tile, a_ptr, a_desc, a_row0, a_scale_ptr, w_ptr, w_desc, ws_ptr, o
     gate = unswap(acc, SWAP) * a_scale * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
     if GATED:
         up = unswap(acc_up, SWAP) * a_scale * tl.load(ws_ptrs + N, mask=n_mask, other=0.0)[None, :]
-        out = e4m3_grid(tl.div_rn(silu_mul(gate, up, ACT), tl.load(out_scale_ptr)))
+        out = to_e4m3(div_rn_by(silu_mul(gate, up, ACT), tl.load(out_scale_ptr)))
         out_rows = rows
     else:
         out = round_to(gate, ACT)

@@ -121,7 +121,7 @@ def _moe_fp8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
         h = silu_mul(unswap(acc, SWAP), unswap(acc_up, SWAP), ACT)  # masked columns are 0
         codes, scale = quant_block_tile(h, eps)
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, codes.to(tl.float8e4nv), mask=out_mask)
+        tl.store(out_ptrs, codes, mask=out_mask)
         tl.store(out_s_ptr + rows.to(tl.int64) * stride_osm + pid_n, scale, mask=valid)
     else:
         out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]

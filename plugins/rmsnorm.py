@@ -17,7 +17,7 @@ import triton.language as tl
 from beam_trtllm.reference import rms_norm
 
 from ._common import FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2, sm_count
-from ._fp8_act import fp8_codes
+from ._fp8_act import fp8_codes, load_fp8_scale
 from .registry import dispatch, register
 
 OP = "rmsnorm"
@@ -38,6 +38,7 @@ def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, T, stride_x, stride_y, s
     # codes of the rounded y with the static scale at qs_ptr (beam::rmsnorm_fp8).
     cols = tl.arange(0, BLOCK_H)[None, :]
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    y_scale = load_fp8_scale(qs_ptr, QUANT)
     for tile in tl.range(tl.program_id(0), tl.cdiv(T, ROWS), tl.num_programs(0),
                          num_stages=STAGES):
         rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
@@ -47,15 +48,16 @@ def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, T, stride_x, stride_y, s
         y = cast_rne(x * inv_rms[:, None] * w, y_ptr.dtype.element_ty)
         tl.store(y_ptr + rows * stride_y + cols, y, mask=mask)
         if QUANT:
-            q = fp8_codes(y.to(tl.float32), tl.load(qs_ptr))
-            tl.store(q_ptr + rows * stride_q + cols, q.to(tl.float8e4nv), mask=mask)
+            tl.store(q_ptr + rows * stride_q + cols, fp8_codes(y.to(tl.float32), y_scale),
+                     mask=mask)
 
 
 # Launch shape of the row kernels (rmsnorm, add_rmsnorm) for "many" rows (a prefill chunk) and
 # "few" (decode): rows per tile, elements per thread (-> warps), resident programs per SM
 # (persistent grid) and pipeline depth. Chosen by the H200 sweep in bench/kernels_sweep.py.
 # "few_fp8": the same with the FP8 codes written too, whose quantizer (IEEE division, E4M3
-# rounding) costs registers: 8 elements per thread took 5.1 us at T = 1 where 16 took 6.7.
+# rounding) costs registers: 8 elements per thread took 3.8 us at T = 1 where 16 took 4.3
+# (H200, bench/decode_sweep.py --only norm1, with _common.div_rn_by).
 ROW_CONFIG = {
     "many": dict(ROWS=1, elems_per_thread=32, programs_per_sm=2, STAGES=3),
     "few": dict(ROWS=1, elems_per_thread=32, programs_per_sm=4, STAGES=1),

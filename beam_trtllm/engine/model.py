@@ -94,6 +94,9 @@ class BeamModel:
                  kv: KVCache):
         self.cfg, self.kv = cfg, kv
         self.ops = _ops()
+        device = weights["model.embed_tokens.weight"].device
+        self.sm_count = (torch.cuda.get_device_properties(device).multi_processor_count
+                         if device.type == "cuda" else None)
         take = _Taker(weights)
         self.embed = take("model.embed_tokens.weight")
         self.layers = [self._layer(take, layer_plan.get(f"layer{i}", {}), i)
@@ -208,7 +211,21 @@ class BeamModel:
                                 k_cache, v_cache, s.write_slots, ks, vs)
         if o_scale is None:
             return _linear(o, layer["self_attn.o_proj"])
+        w = layer["self_attn.o_proj"][0][1]
+        split = self.o_proj_split_k(o.shape[0], *w["weight"].shape)
+        if split > 1:  # FP32 partial sums, which the boundary's add_rmsnorm adds as it reads y
+            return ops.linear_fp8(o, w["weight"], w["weight_scale"], w["input_scale"], ACT_DTYPE,
+                                  split)
         return _linear(None, layer["self_attn.o_proj"], o)
+
+    def o_proj_split_k(self, t: int, n: int, k: int) -> int:
+        """K splits of an FP8 o_proj over t tokens (`plugins.linear_fp8.decode_split_k`): on a
+        GPU only, where a batch-1 o_proj's 80 weight tiles leave a third of the SMs idle."""
+        if self.sm_count is None:
+            return 1
+        from plugins.linear_fp8 import decode_split_k
+
+        return decode_split_k(t, n, k, self.sm_count)
 
     def _ffn(self, i: int, layer: dict, x: torch.Tensor, xq: torch.Tensor | None) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops

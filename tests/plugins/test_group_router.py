@@ -69,3 +69,38 @@ def test_group_router_kernel_matches_reference(t, e, h, n_group, topk_group, k, 
     ids, w = torch.ops.beam.group_router(x.to(dev), weight.to(dev), bias.to(dev), *args)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(w.cpu(), want_w, **tol("router-weights", torch.float32))
+
+
+def _lowest_id_first(x, weight, bias, n_group, topk_group, k):
+    """The routing rule with ties broken toward the lower group / expert id (torch.topk, which
+    the reference uses, leaves the order of equal values open)."""
+    biased = torch.sigmoid(x.float() @ weight.t()) + bias
+    epg = weight.shape[0] // n_group
+    ids = []
+    for row in biased.tolist():
+        groups = [sorted(row[g * epg:(g + 1) * epg], reverse=True) for g in range(n_group)]
+        score = [grp[0] + grp[1] for grp in groups]
+        kept = sorted(range(n_group), key=lambda g: (-score[g], g))[:topk_group]
+        cand = [e for g in kept for e in range(g * epg, (g + 1) * epg)]
+        ids.append(sorted(cand, key=lambda e: (-row[e], e))[:k])
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("copies", [2, 8])
+def test_group_router_kernel_breaks_ties_toward_the_lower_id(copies):
+    """Experts in runs of `copies` identical weight rows and biases score equal (with 8, whole
+    groups do, and the k-th place falls inside a run): the kernel's packed (score, id) keys
+    pick the lowest ids among equals, groups and experts alike."""
+    e, h, n_group, topk_group, k = 64, 48, 8, 3, 6
+    x, weight, bias = _router_case(3, e // copies, h, seed=copies)
+    weight = weight.repeat_interleave(copies, dim=0)
+    bias = bias.repeat_interleave(copies)
+    dev = KERNEL_DEVICE
+    ids, w = torch.ops.beam.group_router(x.to(dev), weight.to(dev), bias.to(dev), n_group,
+                                         topk_group, k, 2.5, True)
+    want = _lowest_id_first(x, weight, bias, n_group, topk_group, k)
+    assert torch.equal(ids.cpu(), want)
+    scores = torch.sigmoid(x @ weight.t()).gather(1, want.long())
+    want_w = scores / scores.sum(-1, keepdim=True) * 2.5
+    torch.testing.assert_close(w.cpu(), want_w, **tol("router-weights", torch.float32))

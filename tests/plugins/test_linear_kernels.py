@@ -11,6 +11,7 @@ from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE, on_cpu
 from plugins import linear_fp8, linear_fp8_block, linear_nvfp4
+from plugins.add_rmsnorm import sum_partials
 
 pytestmark = pytest.mark.kernel
 
@@ -49,6 +50,23 @@ def test_nvfp4_whole_k_tiles(dtype, t):
     out = linear_nvfp4.linear_nvfp4_triton(*args)
     torch.testing.assert_close(out.cpu(), linear_nvfp4.ref_linear_nvfp4(*on_cpu(args)),
                                **_tol("nvfp4", dtype))
+
+
+@pytest.mark.parametrize("k,split", [(400, 2), (208, 3), (1024, 4)])
+@pytest.mark.parametrize("t", [1, 5])
+def test_fp8_split_k_partials(k, split, t):
+    """split_k: each split's FP32 partial over its 128-aligned channel range as the
+    reference's (K not a multiple of the splits; with (208, 3) the last split lies past K and
+    is all zeros); in order they add up to the unsplit GEMM's output."""
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(k + t)).to(torch.bfloat16)
+    args = tuple(a.to(KERNEL_DEVICE) for a in linear_args("fp8", x, n=72, seed=k, per_row=True))
+    parts = linear_fp8.linear_fp8_triton(*args, split_k=split)
+    assert parts.shape == (split, t, 72) and parts.dtype == torch.float32
+    want = linear_fp8.ref_linear_fp8(*on_cpu(args), split_k=split)
+    torch.testing.assert_close(parts.cpu(), want, **_tol("fp8", torch.float32))
+    whole = linear_fp8.ref_linear_fp8(x.float(), *on_cpu(args[1:]))  # x's codes, FP32 out
+    torch.testing.assert_close(sum_partials(parts.cpu(), torch.float32), whole,
+                               **_tol("fp8", torch.float32))
 
 
 def test_fp8_per_row_scale_and_leading_dims_through_the_op():

@@ -78,3 +78,25 @@ def test_fp8_gemm_path_choice():
     assert linear_fp8.takes_scaled_mm(small + 1, 64, 64, per_tensor, torch.float32, cuda=True)
     assert not linear_fp8.takes_scaled_mm(small + 1, 64, 72, per_tensor, torch.float32, cuda=True)
     assert not linear_fp8.takes_scaled_mm(4096, 64, 64, per_tensor, torch.bfloat16, cuda=False)
+
+
+def test_fp8_split_k_reference_meta_rule_and_errors(monkeypatch):
+    """split_k: FP32 partials over 128-aligned channel ranges that add up to the GEMM (meta
+    shape [S, ..., N]); `decode_split_k` splits a batch-1 o_proj-like shape on 132 SMs only;
+    split_k < 1 is refused."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(2, 3, 400).to(torch.bfloat16)
+    args = linear_args("fp8", x, n=48, seed=5)
+    parts = torch.ops.beam.linear_fp8(*args, None, 2)
+    assert parts.shape == (2, 2, 3, 48) and parts.dtype == torch.float32
+    whole = linear_fp8.ref_linear_fp8(x.float(), *args[1:])  # the same codes, FP32 out
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
+    assert linear_fp8.split_channels(400, 2) == 256 and linear_fp8.split_channels(208, 3) == 128
+    meta = torch.ops.beam.linear_fp8(*(a.to("meta") for a in args), None, 3)
+    assert meta.shape == (3, 2, 3, 48) and meta.dtype == torch.float32
+    rule = linear_fp8.decode_split_k
+    assert rule(1, 5120, 6144, 132) == 2  # o_proj: 80 tiles of 64 rows
+    assert rule(1, 8192, 5120, 132) == 1  # q/k/v: 128 tiles
+    assert rule(17, 5120, 6144, 132) == 1 and rule(1, 256, 2048, 132) == 1
+    with pytest.raises(PluginError, match="split_k must be >= 1, got 0"):
+        linear_fp8.ref_linear_fp8(*args, split_k=0)

@@ -160,3 +160,65 @@ def test_fp8_quantizer_keeps_nan_and_saturates_inf_like_torch():
     is_nan = torch.tensor([v != v for v in special] + [False] * 8)[None]
     assert torch.equal(_codes(got)[~is_nan], _codes(want)[~is_nan])
     assert ((_codes(got)[is_nan] & 0x7F) == 0x7F).all()  # E4M3's NaN; its sign bit is free
+
+
+@pytest.mark.kernel
+def test_fp8_quantizer_rounds_every_e4m3_boundary_like_torch():
+    """Codes at every rounding boundary of float8_e4m3fn (each midpoint between neighbours, and
+    one FP32 ulp either side), both signs, subnormals, the saturation edge and random values:
+    bit for bit torch's clamp-then-cast. Compiled this is the GPU's cvt.rn.satfinite alone
+    (plugins._common.to_e4m3); in the interpreter the bit arithmetic of e4m3_grid."""
+    from plugins._fp8_act import quant_fp8_per_tensor
+
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0..448
+    mid = (grid[:-1] + grid[1:]) / 2
+    below = torch.nextafter(mid, torch.zeros_like(mid))
+    above = torch.nextafter(mid, torch.full_like(mid, 1e9))
+    edge = torch.tensor([448.0, 447.99, 464.0, 463.99, 464.01, 480.0, 1e30, 2.0**-10, 2.0**-11])
+    rand = torch.randn(4096, generator=torch.Generator().manual_seed(7)) * 60
+    pos = torch.cat([grid, mid, below, above, edge, rand.abs()])
+    x = torch.cat([pos, -pos])[None]
+    one = torch.tensor(1.0)
+    got = quant_fp8_per_tensor(x.to(KERNEL_DEVICE), one.to(KERNEL_DEVICE)).cpu()
+    assert torch.equal(_codes(got), _codes(quantize_fp8_activation(x, one)))
+
+
+@pytest.mark.kernel
+def test_fp8_quantizer_division_is_div_rn():
+    """div_rn_by (the quantizers' FP64 reciprocal product) gives div_rn's bits for every
+    normal quotient and the same FP8 codes for every pair: random pairs, 4M on a GPU, 256K in
+    the interpreter (NumPy's FP64; bench/div_probe.py runs billions on the H200)."""
+    from division_check import division_mismatches, random_pairs
+
+    n = 1 << (22 if KERNEL_DEVICE == "cuda" else 18)
+    x, s = random_pairs(n, seed=0, device=KERNEL_DEVICE)
+    got = division_mismatches(x, s)
+    assert got["normal"] == 0 and got["codes"] == 0, got
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("t", [1, 6])
+def test_add_rmsnorm_adds_fp32_partials_of_y(t, splits):
+    """y given as FP32 partial sums [S, T, H] (linear_fp8's split_k output): the kernels (and
+    the reference) give bit for bit what they give for y = the partials' sum in order, rounded
+    to h's dtype; a y of the wrong width is refused with its shape."""
+    from plugins.add_rmsnorm import sum_partials
+
+    h = _rows(t, 200, torch.bfloat16, 21)
+    parts = torch.stack([_rows(t, 200, torch.float32, 22 + s, scale=3.0) for s in range(splits)])
+    w = (1.0 + 0.1 * _rows(1, 200, torch.float32, 30)[0]).to(torch.bfloat16)
+    scale = torch.tensor(3.0 / 448)
+    a, b = TINY.residual_coeffs(5)
+    dev = KERNEL_DEVICE
+    args = (w.to(dev), w.to(dev), scale.to(dev), a, b, EPS)
+    got = torch.ops.beam.add_rmsnorm_fp8(h.to(dev), parts.to(dev), *args)
+    want = torch.ops.beam.add_rmsnorm_fp8(h.to(dev), sum_partials(parts, h.dtype).to(dev), *args)
+    for g, w_ in zip(got, want):
+        assert torch.equal(_codes(g.cpu()) if g.dtype == torch.float8_e4m3fn else g.cpu(),
+                           _codes(w_.cpu()) if w_.dtype == torch.float8_e4m3fn else w_.cpu())
+    ref = ref_add_rmsnorm(h, parts, w, w, a, b, EPS)
+    assert torch.equal(ref[0], ref_add_rmsnorm(h, sum_partials(parts, h.dtype), w, w, a, b,
+                                               EPS)[0])
+    with pytest.raises(Exception, match=r"y partials \(2, 1, 100\) must be \[S, 1, 200\]"):
+        torch.ops.beam.add_rmsnorm(h[:1], torch.zeros(2, 1, 100), w, w, a, b, EPS)

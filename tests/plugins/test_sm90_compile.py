@@ -61,12 +61,14 @@ def _fp8_norms():
 
 
 def _fp8_gemms_decode():
-    """q/k/v and o_proj at M = 1 on FP8 codes (the Triton swap-AB path CUDA takes there),
-    and the MoE GEMMs whose K loop they share."""
+    """q/k/v and o_proj at M = 1 on FP8 codes (the Triton swap-AB path CUDA takes there; o_proj
+    also split in two over K, as the engine runs it), and the MoE GEMMs whose K loop they
+    share."""
     one = torch.ones(())
     for n, k in ((HQ * D + 2 * HKV * D, H), (H, HQ * D)):
         x = torch.zeros(1, k, dtype=FP8)
         linear_fp8_triton(x, torch.zeros(n, k, dtype=FP8), torch.ones(n), one, BF16)
+    linear_fp8_triton(x, torch.zeros(n, k, dtype=FP8), torch.ones(n), one, BF16, split_k=2)
     e, inner = 8, BEAM.moe_intermediate_size  # the expert count is no compile-time constant
     moe_fp8_triton(torch.randn(1, H, dtype=BF16), torch.arange(8, dtype=torch.int32)[None],
                    torch.rand(1, 8), torch.zeros(e, 2 * inner, H, dtype=FP8),
