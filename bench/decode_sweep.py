@@ -13,8 +13,8 @@ experimental chunked add_rmsnorm for the 16K-token prefill boundary.
 - linear / linear_nvfp4: linear_fp8's (FP8 codes in) / linear_nvfp4's swap-AB Triton GEMM at
   M = 1 on q/k/v [8192 x 5120] and o_proj [5120 x 6144] over tile shapes, warps (16/32-row
   tiles on one or two warps run mma.sync) and depths (the default is `_tiles.linear_config`);
-  linear_split: linear_fp8 on twice the rows over half of K (a 2-way split-K without its
-  reduction);
+  linear_split: linear_fp8 split in two over K (split_k=2: two FP32 partial sums, which the
+  engine's next add_rmsnorm adds);
 - norm1: add_rmsnorm and add_rmsnorm_fp8 at one token (graph replays), over warps;
 - norm16k: add_rmsnorm [16384, 5120] (bytes: read h, y; write h', x) with the shipped kernel
   and a chunked variant that walks each row in 1024-channel chunks (no idle lanes for
@@ -95,16 +95,16 @@ LINEAR_TILES = [(16, 1), (32, 2), (32, 4), (64, 4), (128, 4)]  # (block_n, warps
 
 
 def sweep_linear(cfg, ceil, fmt="fp8", split=1):
-    """split > 1: each projection as `split` x the rows over 1/split of K (the same bytes):
-    what a split-K launch would cost before its reduction."""
+    """split > 1: each projection split over K (linear_fp8's split_k; FP8 only): the partial
+    sums' launch, whose reduction the consumer does as it reads them."""
     h, out = cfg.hidden_size, {}
     q_out = cfg.num_attention_heads * cfg.head_dim
     shapes = {"qkv": (q_out + 2 * cfg.num_key_value_heads * cfg.head_dim, h),
               "o_proj": (h, q_out)}
     tiles = LINEAR_TILES if split == 1 else [(64, 4), (32, 2)]
+    kw = {"split_k": split} if split > 1 else {}
     for name, (n, k) in shapes.items():
-        n, k = n * split, k // split
-        name += f" split-K {split} (emulated)" if split > 1 else ""
+        name += f" split-K {split}" if split > 1 else ""
         x, w, *scales = _linear_inputs(fmt, n, k)
         op = linear_fp8_triton if fmt == "fp8" else linear_nvfp4_triton
         tail = (BF16,) if fmt == "fp8" else ()
@@ -113,21 +113,21 @@ def sweep_linear(cfg, ceil, fmt="fp8", split=1):
         nbytes = w.numel() * w.element_size()
         copies = 1 if kb.SMOKE else max(2, -(-160_000_000 // nbytes))
         ws_all = [w] + [w.clone() for _ in range(copies - 1)]
-        want = op(x, w, *scales, *tail)
+        want = op(x, w, *scales, *tail, **kw)
         grid = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw, block_m=16)
                 for bn, nw in tiles for bk in (128, 256) for st in (3, 4, 6)]
         if fmt == "nvfp4":  # 8-token tiles: half the MMAs and activation fragments at M = 1
             grid += [dict(block_n=bn, block_k=128, num_stages=st, num_warps=nw, block_m=8)
                      for bn, nw in tiles for st in (3, 4, 6)]
 
-        def timed(conf, x=x, scales=scales, want=want, ws_all=ws_all, op=op, tail=tail):
+        def timed(conf, x=x, scales=scales, want=want, ws_all=ws_all, op=op, tail=tail, kw=kw):
             gc = GemmConfig(conf["block_m"], conf["block_n"], conf["block_k"], conf["num_warps"],
                             conf["num_stages"], swap=True)
-            checked(lambda: op(x, ws_all[0], *scales, *tail, config=gc), want, exact=False)
+            checked(lambda: op(x, ws_all[0], *scales, *tail, config=gc, **kw), want, exact=False)
 
             def calls():
                 for wc in ws_all:
-                    op(x, wc, *scales, *tail, config=gc)
+                    op(x, wc, *scales, *tail, config=gc, **kw)
             return kb.time_graph_us(calls, len(ws_all))
         out |= run_grid(f"linear_{fmt} M=1 {name} [{n}x{k}]", grid, timed, nbytes, "GB/s",
                         ceil["copy_GBps"])
