@@ -72,6 +72,7 @@ def ref_moe(
     quant13: Callable[[torch.Tensor], torch.Tensor] | None = None,
     quant2: Callable[[torch.Tensor], torch.Tensor] | None = None,
     act_dtype: torch.dtype | None = None,
+    per_slot: bool = False,
 ) -> torch.Tensor:
     """reference.py's BeamMoE.forward given the routing; `expert(e)` returns that expert's
     (w13 [2I, H], w2 [H, I]).
@@ -82,10 +83,13 @@ def ref_moe(
     and every module output (gate, up, silu, h, y) is rounded to x.dtype as in BeamMoE. With
     FP32 activations this is BeamMoE on the decoded weights exactly; with BF16 it differs from
     a BF16 BeamMoE only by BeamMoE's own rounding of the decoded weights to BF16. `act_dtype`
-    (default x.dtype) is the activations' dtype when x holds decoded FP8 codes in FP32."""
+    (default x.dtype) is the activations' dtype when x holds decoded FP8 codes in FP32.
+    per_slot: instead, each (token, slot)'s expert output y [T, k, H] unweighted (see
+    `finish`)."""
     quantized = quant13 is not None
     act = act_dtype or x.dtype
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    slots = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=act, device=x.device)
     for e in topk_ids.unique().tolist():
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
         w13, w2 = expert(e)
@@ -96,10 +100,13 @@ def ref_moe(
         h = F.silu(gate) * up
         y = F.linear(quant2(h.float()) if quantized else h, w2).to(act)
         out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
-    return out.to(act)
+        slots[token, slot] = y
+    return slots if per_slot else out.to(act)
 
 
-def fake_moe(x: torch.Tensor, *args) -> torch.Tensor:
+def fake_moe(x: torch.Tensor, topk_ids: torch.Tensor, *args, per_slot: bool = False):
+    if per_slot:
+        return x.new_empty((*topk_ids.shape, x.shape[1]))
     return torch.empty_like(x)
 
 
@@ -164,6 +171,15 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr):
         acc += y.to(tl.float32) * weight
     tl.store(out_ptr + t * H + cols, round_to(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
              mask=mask)
+
+
+def finish(y: torch.Tensor, topk_weights: torch.Tensor, t: int, per_slot: bool) -> torch.Tensor:
+    """The down GEMM's per-slot outputs y [T*k, H] (row t*k + j: token t's j-th expert,
+    unweighted) -> the op's output: combined [T, H], or with per_slot y itself as [T, k, H]
+    for a consumer that adds them (beam::add_rmsnorm's y_weights; no combine launch)."""
+    if per_slot:
+        return y.view(t, topk_weights.shape[1], y.shape[1])
+    return combine(y, topk_weights, t)
 
 
 def combine(y: torch.Tensor, topk_weights: torch.Tensor, t: int) -> torch.Tensor:

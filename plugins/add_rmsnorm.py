@@ -7,9 +7,12 @@ add, next pre-norm.
 
 Shapes / dtypes: h [T, H], y [T, H] (fp32, bf16 or fp16, the same dtype), w_post [H],
 w_pre [H]; a, b, eps python floats -> (h' [T, H], x [T, H]) in h's dtype.
-y may also be [S, T, H] FP32 partial sums (beam::linear_fp8's split_k output): y is then
-their sum in order (y[0] + y[1] + ...), rounded to h's dtype, as the split GEMM's own output
-would be; the whole-row kernel adds them as it loads y (no reduction launch).
+y may also be [S, T, H] partials (any token stride): FP32 partial sums (beam::linear_fp8's
+split_k output), y = their sum in order (y[0] + y[1] + ...) rounded to h's dtype, as the
+split GEMM's own output would be; or, with y_weights [T, S] FP32, an MoE's per-slot expert
+outputs (beam::moe_*(..., per_slot=True), transposed to [k, T, H]): y = sum_s y_weights[t, s]
+* float(y[s, t]) from 0 in order, rounded once, as the MoE's combine does. The whole-row
+kernel adds them as it loads y (no reduction launch); the chunked one gets them summed first.
 Contract: functional, returns two new tensors (no out=; h is not updated in place).
 Matches `reference.residual_add(h, rms_norm(y, w_post), a, b)` followed by
 `rms_norm(h', w_pre)`; for the last layer w_pre is `model.norm.weight`. CUDA-graph safe.
@@ -20,6 +23,8 @@ GEMM.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -35,19 +40,32 @@ from .rmsnorm import row_launch_params
 OP = "add_rmsnorm"
 
 
-def sum_partials(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y [T, H], or the sum in order of FP32 partials [S, T, H] rounded to dtype."""
+def sum_partials(y: torch.Tensor, dtype: torch.dtype,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, H], or its partials [S, T, H] summed in order (weighted by weights [T, S] from 0)
+    and rounded to dtype."""
     if y.dim() == 2:
         return y
-    total = y[0]
-    for part in y[1:]:
-        total = total + part
+    if weights is None:
+        total = y[0]
+        for part in y[1:]:
+            total = total + part
+        return total.to(dtype)
+    total = torch.zeros(y.shape[1:], dtype=torch.float32, device=y.device)
+    for s, part in enumerate(y):
+        total = total + part.float() * weights[:, s:s + 1]
     return total.to(dtype)
 
 
+def adds_partials(t: int) -> bool:
+    """Whether t rows take the whole-row kernel, which adds y's partials itself (a consumer
+    should then hand them over rather than combine them in a launch of its own)."""
+    return t < CHUNKED["min_rows"]
+
+
 @register(OP, "reference")
-def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
-    y = sum_partials(y, h.dtype)
+def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float, *, y_weights=None):
+    y = sum_partials(y, h.dtype, y_weights)
     h_new = residual_add(h, rms_norm(y, w_post, eps), a, b)
     return h_new, rms_norm(h_new, w_pre, eps)
 
@@ -73,14 +91,15 @@ def _store_x(x_ptrs, q_ptrs, x_scale, h_new, inv_rms_h, w_pre, mask, dtype: tl.c
 
 
 @triton.jit
-def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_ptr, qs_ptr, T,
-                        stride_h, stride_y, stride_ys, stride_ho, stride_x, stride_q, H, a, b,
-                        eps, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
-                        QUANT: tl.constexpr, PARTIALS: tl.constexpr):
+def _add_rmsnorm_kernel(h_ptr, y_ptr, yw_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_ptr, qs_ptr,
+                        T, stride_h, stride_y, stride_ys, stride_yw, stride_ho, stride_x, stride_q,
+                        H, a, b, eps, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                        STAGES: tl.constexpr, QUANT: tl.constexpr, PARTIALS: tl.constexpr,
+                        WEIGHTED: tl.constexpr):
     # Persistent over tiles of ROWS rows, like beam::rmsnorm's kernel. QUANT: also the FP8
     # codes of the rounded x with the static scale at qs_ptr (beam::add_rmsnorm_fp8).
-    # PARTIALS > 0: y holds that many FP32 partial sums stride_ys apart, added in order and
-    # rounded to h's dtype (0: y is y, in its own dtype).
+    # PARTIALS > 0: y holds that many partials stride_ys apart, added in order (WEIGHTED: each
+    # times its row's weight at yw_ptr, from 0) and rounded to h's dtype (0: y is y).
     cols = tl.arange(0, BLOCK_H)[None, :]
     w_post = tl.load(wpost_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     w_pre = tl.load(wpre_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
@@ -91,11 +110,18 @@ def _add_rmsnorm_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_pt
         rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
         mask = (rows < T) & (cols < H)
         h = tl.load(h_ptr + rows * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + rows * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-        if PARTIALS > 0:
+        if WEIGHTED:
+            y = tl.zeros([ROWS, BLOCK_H], tl.float32)
+            for part in tl.static_range(PARTIALS):
+                w = tl.load(yw_ptr + rows * stride_yw + part, mask=rows < T, other=0.0)
+                y += tl.load(y_ptr + part * stride_ys + rows * stride_y + cols, mask=mask,
+                             other=0.0).to(tl.float32) * w
+        else:
+            y = tl.load(y_ptr + rows * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
             for part in tl.static_range(1, PARTIALS):
                 y += tl.load(y_ptr + part * stride_ys + rows * stride_y + cols, mask=mask,
-                             other=0.0)
+                             other=0.0).to(tl.float32)
+        if PARTIALS > 0:
             y = cast_rne(y, dtype).to(tl.float32)
         y_dtype: tl.constexpr = dtype if PARTIALS > 0 else y_ptr.dtype.element_ty
         inv_rms_y = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=1) / H + eps)
@@ -153,12 +179,13 @@ CHUNKED = dict(min_rows=1024, CHUNK=1024, num_warps=8)
 
 
 def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
-                     x_scale: torch.Tensor | None = None):
+                     x_scale: torch.Tensor | None = None, y_weights: torch.Tensor | None = None):
     """Launcher of the kernels -> (h', x, FP8 codes of x with x_scale, or None)."""
     t, hidden = h.shape
-    if y.dim() == 3 and t >= CHUNKED["min_rows"]:  # (the engine splits decode GEMMs only)
-        y = sum_partials(y, h.dtype)
+    if y.dim() == 3 and not adds_partials(t):  # (the engine hands over partials for few rows)
+        y, y_weights = sum_partials(y, h.dtype, y_weights), None
     partials = y.shape[0] if y.dim() == 3 else 0
+    yw = y_weights if y_weights is not None else y  # unread unless WEIGHTED
     h_new, x = torch.empty_like(h), torch.empty_like(h)
     q = None if x_scale is None else torch.empty(h.shape, dtype=FP8_DTYPE, device=h.device)
     quant = (x, w_pre, 0) if q is None else (q, x_scale, q.stride(0))  # unread if None
@@ -171,25 +198,33 @@ def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
     elif t:
         grid, p = row_launch_params(t, hidden, h.device, q is not None)
         _add_rmsnorm_kernel[(grid,)](
-            h, y, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(-2),
-            y.stride(0) if partials else 0, h_new.stride(0), x.stride(0), quant[2], hidden, a, b,
-            eps, QUANT=q is not None, PARTIALS=partials, **p)
+            h, y, yw, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(-2),
+            y.stride(0) if partials else 0, yw.stride(0), h_new.stride(0), x.stride(0),
+            quant[2], hidden, a, b, eps, QUANT=q is not None, PARTIALS=partials,
+            WEIGHTED=y_weights is not None, **p)
     return h_new, x, q
 
 
 @register(OP, "triton")
-def _launch_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float):
-    return add_rmsnorm_rows(h, y, w_post, w_pre, a, b, eps)[:2]
+def _launch_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float, *, y_weights=None):
+    return add_rmsnorm_rows(h, y, w_post, w_pre, a, b, eps, y_weights=y_weights)[:2]
 
 
-def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP) -> None:
+def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP, y_weights=None) -> None:
     check_tensor(op, "h", h, ndim=2, dtypes=FLOAT_DTYPES)
-    if y.dim() == 3:  # FP32 partial sums of y
-        check_tensor(op, "y partials", y, dtypes=(torch.float32,), device=h.device)
+    if y.dim() == 3:  # partials of y: FP32 sums, or weighted per-slot outputs
+        dtypes = (torch.float32,) if y_weights is None else FLOAT_DTYPES
+        check_tensor(op, "y partials", y, dtypes=dtypes, device=h.device)
         check(y.shape[1:] == h.shape and y.shape[0] >= 1, op,
               f"y partials {tuple(y.shape)} must be [S, {', '.join(map(str, h.shape))}]")
-        check(y[0].is_contiguous(), op, "each y partial must be contiguous")
+        if y_weights is not None:
+            check_tensor(op, "y_weights", y_weights, ndim=2, dtypes=(torch.float32,),
+                         device=h.device)
+            check(tuple(y_weights.shape) == (h.shape[0], y.shape[0]) and
+                  y_weights.stride(1) == 1, op, f"y_weights {tuple(y_weights.shape)} must be "
+                  f"[{h.shape[0]}, {y.shape[0]}] with contiguous rows")
     else:
+        check(y_weights is None, op, "y_weights needs y as partials [S, T, H]")
         check_tensor(op, "y", y, ndim=2, dtypes=(h.dtype,), device=h.device)
         check(y.shape == h.shape, op, f"y {tuple(y.shape)} must have h's shape {tuple(h.shape)}")
     for name, w in (("w_post", w_post), ("w_pre", w_pre)):
@@ -202,12 +237,13 @@ def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP) -> None:
 
 @torch.library.custom_op("beam::add_rmsnorm", mutates_args=())
 def add_rmsnorm(h: torch.Tensor, y: torch.Tensor, w_post: torch.Tensor, w_pre: torch.Tensor,
-                a: float, b: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    check_add_rmsnorm(h, y, w_post, w_pre)
-    return dispatch(OP, h.device, h, y, w_post, w_pre, a, b, eps)
+                a: float, b: float, eps: float, y_weights: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_add_rmsnorm(h, y, w_post, w_pre, y_weights=y_weights)
+    return dispatch(OP, h.device, h, y, w_post, w_pre, a, b, eps, y_weights=y_weights)
 
 
 @add_rmsnorm.register_fake
-def _(h, y, w_post, w_pre, a, b, eps):
-    check_add_rmsnorm(h, y, w_post, w_pre)
+def _(h, y, w_post, w_pre, a, b, eps, y_weights=None):
+    check_add_rmsnorm(h, y, w_post, w_pre, y_weights=y_weights)
     return torch.empty_like(h), torch.empty_like(h)

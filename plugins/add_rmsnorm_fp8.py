@@ -3,7 +3,8 @@
     h', x = beam::add_rmsnorm(h, y, w_post, w_pre, a, b, eps)          (bit for bit)
     q     = fp8_e4m3(clamp(x / x_scale, +-448))                         of the rounded x
 
-Shapes / dtypes: h, y [T, H] (fp32, bf16 or fp16, one dtype), w_post, w_pre [H]; x_scale fp32
+Shapes / dtypes: h, y [T, H] (fp32, bf16 or fp16, one dtype; y also as partials with
+y_weights, see beam::add_rmsnorm), w_post, w_pre [H]; x_scale fp32
 [] (the static `input_scale` of the Linear that reads x); a, b, eps python floats
 -> (h' [T, H], x [T, H] in h's dtype, q [T, H] float8_e4m3fn).
 Contract: functional, returns three new tensors. q is exactly what beam::linear_fp8 would make
@@ -14,6 +15,8 @@ One launch of beam::add_rmsnorm's kernel; CUDA-graph safe.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -27,31 +30,34 @@ OP = "add_rmsnorm_fp8"
 
 
 @register(OP, "reference")
-def ref_add_rmsnorm_fp8(h, y, w_post, w_pre, x_scale, a: float, b: float, eps: float):
-    h_new, x = ref_add_rmsnorm(h, y, w_post, w_pre, a, b, eps)
+def ref_add_rmsnorm_fp8(h, y, w_post, w_pre, x_scale, a: float, b: float, eps: float, *,
+                        y_weights=None):
+    h_new, x = ref_add_rmsnorm(h, y, w_post, w_pre, a, b, eps, y_weights=y_weights)
     return h_new, x, quantize_fp8_activation(x, x_scale)
 
 
 @register(OP, "triton")
-def _launch_add_rmsnorm_fp8(h, y, w_post, w_pre, x_scale, a: float, b: float, eps: float):
-    return add_rmsnorm_rows(h, y, w_post, w_pre, a, b, eps, x_scale)
+def _launch_add_rmsnorm_fp8(h, y, w_post, w_pre, x_scale, a: float, b: float, eps: float, *,
+                            y_weights=None):
+    return add_rmsnorm_rows(h, y, w_post, w_pre, a, b, eps, x_scale, y_weights)
 
 
-def _check(h, y, w_post, w_pre, x_scale) -> None:
-    check_add_rmsnorm(h, y, w_post, w_pre, OP)
+def _check(h, y, w_post, w_pre, x_scale, y_weights=None) -> None:
+    check_add_rmsnorm(h, y, w_post, w_pre, OP, y_weights)
     check_tensor(OP, "x_scale", x_scale, ndim=0, dtypes=(torch.float32,), device=h.device)
 
 
 @torch.library.custom_op("beam::add_rmsnorm_fp8", mutates_args=())
 def add_rmsnorm_fp8(h: torch.Tensor, y: torch.Tensor, w_post: torch.Tensor, w_pre: torch.Tensor,
-                    x_scale: torch.Tensor, a: float, b: float,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check(h, y, w_post, w_pre, x_scale)
-    return dispatch(OP, h.device, h, y, w_post, w_pre, x_scale, a, b, eps)
+                    x_scale: torch.Tensor, a: float, b: float, eps: float,
+                    y_weights: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(h, y, w_post, w_pre, x_scale, y_weights)
+    return dispatch(OP, h.device, h, y, w_post, w_pre, x_scale, a, b, eps, y_weights=y_weights)
 
 
 @add_rmsnorm_fp8.register_fake
-def _(h, y, w_post, w_pre, x_scale, a, b, eps):
-    _check(h, y, w_post, w_pre, x_scale)
+def _(h, y, w_post, w_pre, x_scale, a, b, eps, y_weights=None):
+    _check(h, y, w_post, w_pre, x_scale, y_weights)
     return (torch.empty_like(h), torch.empty_like(h),
             torch.empty(h.shape, dtype=FP8_DTYPE, device=h.device))

@@ -25,7 +25,7 @@ import triton.language as tl
 from ._gemm import dot_precision, gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, GemmConfig, Routing, block_tile, check_expert_weights, check_ids_in_range,
-    check_routing, combine, configs_for, fake_moe, past_last_row, plan_routing, ref_moe,
+    check_routing, configs_for, fake_moe, finish, past_last_row, plan_routing, ref_moe,
     routing_ptrs,
 )
 from .registry import dispatch, register
@@ -34,19 +34,19 @@ OP = "moe_bf16"
 
 
 @register(OP, "reference")
-def ref_moe_bf16(x, topk_ids, topk_weights, w13, w2):
+def ref_moe_bf16(x, topk_ids, topk_weights, w13, w2, *, per_slot: bool = False):
     check_routing(OP, x, topk_ids, topk_weights)
     e, _ = check_expert_weights(OP, x, w13, w2, (x.dtype,))
     check_ids_in_range(OP, topk_ids, e)
-    return ref_moe(x, topk_ids, topk_weights, lambda i: (w13[i], w2[i]))
+    return ref_moe(x, topk_ids, topk_weights, lambda i: (w13[i], w2[i]), per_slot=per_slot)
 
 
 @torch.library.custom_op("beam::moe_bf16", mutates_args=())
 def moe_bf16(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13: torch.Tensor, w2: torch.Tensor,
+    w13: torch.Tensor, w2: torch.Tensor, *, per_slot: bool = False,
 ) -> torch.Tensor:
-    return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w2)
+    return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w2, per_slot=per_slot)
 
 
 moe_bf16.register_fake(fake_moe)
@@ -95,13 +95,14 @@ def _gemm(a, w, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfi
 
 
 @register(OP, "triton")
-def moe_bf16_triton(x, topk_ids, topk_weights, w13, w2, direct=None, config13=None, config2=None):
+def moe_bf16_triton(x, topk_ids, topk_weights, w13, w2, direct=None, config13=None, config2=None,
+                    *, per_slot: bool = False):
     """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
     t, h, top_k = check_routing(OP, x, topk_ids, topk_weights)
     e, inner = check_expert_weights(OP, x, w13, w2, (x.dtype,))
     numel = t * top_k
     if numel == 0:
-        return torch.empty_like(x)
+        return fake_moe(x, topk_ids, per_slot=per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     # FP32 experts: half the K depth, so a pipelined tile takes the shared memory of a BF16 one
     block_k = 128 if x.element_size() <= 2 else 64
@@ -112,4 +113,4 @@ def moe_bf16_triton(x, topk_ids, topk_weights, w13, w2, direct=None, config13=No
     _gemm(x, w13, hbuf, routing, numel, top_k, inner, h, True, c13)
     y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
     _gemm(hbuf, w2, y, routing, numel, top_k, h, inner, False, c2)
-    return combine(y, topk_weights, t)
+    return finish(y, topk_weights, t, per_slot)

@@ -39,7 +39,7 @@ from ._checks import ACT_DTYPES, check_device, check_out_dtype
 from ._gemm import gemm_loop, round_to, silu_mul, tile_of, tma_gemm_loop, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, combine, configs_for, past_last_row,
+    check_ids_in_range, check_routing, check_tensor, configs_for, finish, past_last_row,
     plan_routing, ref_moe, routing_ptrs, tail_ptrs,
 )
 from .registry import dispatch, register
@@ -70,7 +70,7 @@ def check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_s
 
 @register(OP, "reference")
 def ref_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
-                out_dtype=None):
+                out_dtype=None, *, per_slot: bool = False):
     e, _, act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale,
                               a2_scale, out_dtype)
     check_ids_in_range(OP, topk_ids, e)
@@ -82,7 +82,7 @@ def ref_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_sca
 
     return ref_moe(
         x.float() * a13_scale if codes else x, topk_ids, topk_weights, expert, quant13,
-        lambda a: fake_quant_fp8_activation(a, a2_scale), act_dtype=act,
+        lambda a: fake_quant_fp8_activation(a, a2_scale), act_dtype=act, per_slot=per_slot,
     )
 
 
@@ -91,16 +91,23 @@ def moe_fp8(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
     a13_scale: torch.Tensor, a2_scale: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+    *, per_slot: bool = False,
 ) -> torch.Tensor:
     return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
-                    a13_scale, a2_scale, out_dtype)
+                    a13_scale, a2_scale, out_dtype, per_slot=per_slot)
 
 
 @moe_fp8.register_fake
-def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale, out_dtype=None):
+def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale, out_dtype=None,
+      *, per_slot=False):
     act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale,
                         a2_scale, out_dtype)[2]
-    return torch.empty(x.shape, dtype=act, device=x.device)
+    return _empty_output(x, topk_ids, act, per_slot)
+
+
+def _empty_output(x, topk_ids, act, per_slot: bool) -> torch.Tensor:
+    shape = (*topk_ids.shape, x.shape[1]) if per_slot else x.shape
+    return torch.empty(shape, dtype=act, device=x.device)
 
 
 # ---------------------------------------------------------------------------- triton
@@ -225,7 +232,8 @@ def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, 
 
 @register(OP, "triton")
 def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
-                   out_dtype=None, direct=None, config13=None, config2=None, tma=None):
+                   out_dtype=None, direct=None, config13=None, config2=None, tma=None, *,
+                   per_slot: bool = False):
     """Launcher. `direct` / `config*` / `tma` override the launch choices (tests and bench/
     only; `tma` needs a tail-block layout)."""
     e, inner, act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
@@ -234,7 +242,7 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
     top_k = topk_ids.shape[1]
     numel = t * top_k
     if numel == 0:
-        return torch.empty(x.shape, dtype=act, device=x.device)
+        return _empty_output(x, topk_ids, act, per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2)
     c13, c2 = configs_for(numel if not direct else 1, e, config13, config2, tails=True)
@@ -255,4 +263,4 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
     y = torch.empty((numel, h), dtype=act, device=x.device)
     _gemm(hq, a2_scale, w2, w2_scale, y, a2_scale, routing, numel, top_k, h, inner, False,
           act, c2, tma)
-    return combine(y, topk_weights, t)
+    return finish(y, topk_weights, t, per_slot)

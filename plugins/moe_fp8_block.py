@@ -35,7 +35,7 @@ from ._checks import check_device
 from ._gemm import fp8_block_gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, combine, configs_for, fake_moe,
+    check_ids_in_range, check_routing, check_tensor, configs_for, fake_moe, finish,
     past_last_row, plan_routing, ref_moe, routing_ptrs,
 )
 from .registry import PluginError, dispatch, register
@@ -66,7 +66,8 @@ def check_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
 
 
 @register(OP, "reference")
-def ref_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale):
+def ref_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *,
+                      per_slot: bool = False):
     e, _ = check_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     check_ids_in_range(OP, topk_ids, e)
 
@@ -75,15 +76,17 @@ def ref_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale):
                 dequantize_fp8_row_blocks(w2[i], w2_scale[i]))
 
     quant = fake_quant_fp8_per_token_block
-    return ref_moe(x, topk_ids, topk_weights, expert, quant, quant)
+    return ref_moe(x, topk_ids, topk_weights, expert, quant, quant, per_slot=per_slot)
 
 
 @torch.library.custom_op("beam::moe_fp8_block", mutates_args=())
 def moe_fp8_block(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    *, per_slot: bool = False,
 ) -> torch.Tensor:
-    return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
+    return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
+                    per_slot=per_slot)
 
 
 moe_fp8_block.register_fake(fake_moe)
@@ -156,14 +159,14 @@ def block_configs(numel, e, config13, config2):
 
 @register(OP, "triton")
 def moe_fp8_block_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, direct=None,
-                         config13=None, config2=None):
+                         config13=None, config2=None, *, per_slot: bool = False):
     """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
     e, inner = check_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     t, h = x.shape
     top_k = topk_ids.shape[1]
     numel = t * top_k
     if numel == 0:
-        return torch.empty_like(x)
+        return fake_moe(x, topk_ids, per_slot=per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     c13, c2 = block_configs(numel if not direct else 1, e, config13, config2)
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
@@ -173,4 +176,4 @@ def moe_fp8_block_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale
     _gemm(xq, xs, w13, w13_scale, hq, hs, routing, numel, top_k, inner, h, True, x.dtype, c13)
     y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
     _gemm(hq, hs, w2, w2_scale, y, hs, routing, numel, top_k, h, inner, False, x.dtype, c2)
-    return combine(y, topk_weights, t)
+    return finish(y, topk_weights, t, per_slot)

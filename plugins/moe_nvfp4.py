@@ -33,7 +33,7 @@ from ._checks import _expect, check_device
 from ._gemm import dot_precision, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, GemmConfig, Routing, block_tile, check_expert_weights, check_ids_in_range,
-    check_routing, check_tensor, combine, configs_for, fake_moe, past_last_row, plan_routing,
+    check_routing, check_tensor, configs_for, fake_moe, finish, past_last_row, plan_routing,
     ref_moe, routing_ptrs,
 )
 from ._tiles import nvfp4_k_loop, nvfp4_side
@@ -66,7 +66,8 @@ def check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, 
 
 
 @register(OP, "reference")
-def ref_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2):
+def ref_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                  *, per_slot: bool = False):
     e, _ = check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale,
                            w2_scale_2)
     check_ids_in_range(OP, topk_ids, e)
@@ -76,17 +77,17 @@ def ref_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2
                 dequantize_nvfp4(w2[i], w2_scale[i], w2_scale_2[i]))
 
     identity = lambda a: a  # noqa: E731  (W4A16: activations are not quantized)
-    return ref_moe(x, topk_ids, topk_weights, expert, identity, identity)
+    return ref_moe(x, topk_ids, topk_weights, expert, identity, identity, per_slot=per_slot)
 
 
 @torch.library.custom_op("beam::moe_nvfp4", mutates_args=())
 def moe_nvfp4(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w13_scale_2: torch.Tensor,
-    w2: torch.Tensor, w2_scale: torch.Tensor, w2_scale_2: torch.Tensor,
+    w2: torch.Tensor, w2_scale: torch.Tensor, w2_scale_2: torch.Tensor, *, per_slot: bool = False,
 ) -> torch.Tensor:
     return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2,
-                    w2, w2_scale, w2_scale_2)
+                    w2, w2_scale, w2_scale_2, per_slot=per_slot)
 
 
 moe_nvfp4.register_fake(fake_moe)
@@ -167,7 +168,8 @@ def launch_configs(numel: int, experts: int, config13=None, config2=None):
 
 @register(OP, "triton")
 def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale,
-                     w2_scale_2, direct=None, config13=None, config2=None):
+                     w2_scale_2, direct=None, config13=None, config2=None, *,
+                     per_slot: bool = False):
     """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
     e, inner = check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
                                w2_scale, w2_scale_2)
@@ -175,7 +177,7 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     top_k = topk_ids.shape[1]
     numel = t * top_k
     if numel == 0:
-        return torch.empty_like(x)
+        return fake_moe(x, topk_ids, per_slot=per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2, x.dtype)
     c13, c2 = launch_configs(numel if not direct else 1, e, config13, config2)
@@ -185,4 +187,4 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     _gemm(x, w13, w13_scale, w13_scale_2, hbuf, routing, numel, top_k, inner, h, True, c13)
     y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
     _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2)
-    return combine(y, topk_weights, t)
+    return finish(y, topk_weights, t, per_slot)

@@ -156,13 +156,14 @@ class BeamModel:
             return self.ops.rmsnorm(h, layer0["input_layernorm"], eps), None
         return self.ops.rmsnorm_fp8(h, layer0["input_layernorm"], layer0["attn_in_scale"], eps)
 
-    def boundary(self, h, y, w_post, w_pre, sublayer: int, scale):
-        """`add_rmsnorm` -> (h', x, x's FP8 codes with `scale`, or None)."""
+    def boundary(self, h, y, w_post, w_pre, sublayer: int, scale, y_weights=None):
+        """`add_rmsnorm` -> (h', x, x's FP8 codes with `scale`, or None). y may be partials
+        (a split o_proj's; with y_weights, the MoE's per-slot outputs), which it adds."""
         a, b = self.cfg.residual_coeffs(sublayer)
         eps = self.cfg.rms_norm_eps
         if scale is None:
-            return (*self.ops.add_rmsnorm(h, y, w_post, w_pre, a, b, eps), None)
-        return self.ops.add_rmsnorm_fp8(h, y, w_post, w_pre, scale, a, b, eps)
+            return (*self.ops.add_rmsnorm(h, y, w_post, w_pre, a, b, eps, y_weights), None)
+        return self.ops.add_rmsnorm_fp8(h, y, w_post, w_pre, scale, a, b, eps, y_weights)
 
     def layer(self, i: int, h: torch.Tensor, x: torch.Tensor, xq: torch.Tensor | None,
               s: StepInputs):
@@ -172,11 +173,12 @@ class BeamModel:
         y = self._attention(i, layer, x, xq, s)
         h, x, xq = self.boundary(h, y, layer["post_attention_layernorm"],
                                   layer["pre_feedforward_layernorm"], 2 * i, layer["ffn_in_scale"])
-        y = self._ffn(i, layer, x, xq)
+        y, y_weights = self._ffn(i, layer, x, xq)
         last = i + 1 == len(self.layers)
         nxt = self.final_norm if last else self.layers[i + 1]["input_layernorm"]
         scale = None if last else self.layers[i + 1]["attn_in_scale"]
-        return self.boundary(h, y, layer["post_feedforward_layernorm"], nxt, 2 * i + 1, scale)
+        return self.boundary(h, y, layer["post_feedforward_layernorm"], nxt, 2 * i + 1, scale,
+                             y_weights)
 
     def logits(self, x: torch.Tensor, s: StepInputs) -> torch.Tensor:
         # As the reference: the LM head's BF16 output, then FP32 for sampling.
@@ -227,26 +229,36 @@ class BeamModel:
 
         return decode_split_k(t, n, k, self.sm_count)
 
-    def _ffn(self, i: int, layer: dict, x: torch.Tensor, xq: torch.Tensor | None) -> torch.Tensor:
+    def _ffn(self, i: int, layer: dict, x: torch.Tensor, xq: torch.Tensor | None):
+        """-> (y, None), or for a few tokens through experts (the MoE's per-slot outputs as
+        [k, T, H], their routing weights [T, k]) for the boundary's add_rmsnorm to combine."""
         cfg, ops = self.cfg, self.ops
         if not cfg.is_moe(i):
             gu = _linear(x, layer["mlp.gate_up_proj"], xq)
             inner = cfg.intermediate_size
-            return _linear(F.silu(gu[:, :inner]) * gu[:, inner:], layer["mlp.down_proj"])
+            return _linear(F.silu(gu[:, :inner]) * gu[:, inner:], layer["mlp.down_proj"]), None
         ids, weights = ops.group_router(x, layer["router_w"], layer["router_b"], cfg.n_group,
                                         cfg.topk_group, cfg.num_experts_per_tok,
                                         cfg.routed_scaling_factor, cfg.norm_topk_prob)
-        e, fmt = layer["experts"], layer["experts_fmt"]
+        from plugins.add_rmsnorm import adds_partials
+
+        per_slot = adds_partials(x.shape[0])
+        y = self._experts(i, layer, x, xq, ids, weights, per_slot)
+        return (y.transpose(0, 1), weights) if per_slot else (y, None)
+
+    def _experts(self, i, layer, x, xq, ids, weights, per_slot: bool) -> torch.Tensor:
+        ops, e, fmt = self.ops, layer["experts"], layer["experts_fmt"]
         if fmt == "bf16":
-            return ops.moe_bf16(x, ids, weights, e["w13"], e["w2"])
+            return ops.moe_bf16(x, ids, weights, e["w13"], e["w2"], per_slot=per_slot)
         if fmt == "fp8":  # on the codes the boundary wrote with a13_scale
             return ops.moe_fp8(xq, ids, weights, e["w13"], e["w13_scale"], e["w2"], e["w2_scale"],
-                               e["a13_scale"], e["a2_scale"], ACT_DTYPE)
+                               e["a13_scale"], e["a2_scale"], ACT_DTYPE, per_slot=per_slot)
         if fmt == "fp8_block":
-            return ops.moe_fp8_block(x, ids, weights, e["w13"], e["w13_scale"], e["w2"], e["w2_scale"])
+            return ops.moe_fp8_block(x, ids, weights, e["w13"], e["w13_scale"], e["w2"],
+                                     e["w2_scale"], per_slot=per_slot)
         if fmt == "nvfp4":
             return ops.moe_nvfp4(x, ids, weights, e["w13"], e["w13_scale"], e["w13_scale_2"],
-                                 e["w2"], e["w2_scale"], e["w2_scale_2"])
+                                 e["w2"], e["w2_scale"], e["w2_scale_2"], per_slot=per_slot)
         raise EngineError(f"layer {i}: expert format {fmt!r} has no beam:: op")
 
 

@@ -57,6 +57,24 @@ def test_kernel_matches_reference(fmt, dtype, t, direct):
 
 
 @pytest.mark.parametrize("fmt", sorted(KERNELS))
+@pytest.mark.parametrize("t,direct", [(3, True), (17, False)])
+def test_per_slot_outputs_are_what_the_combine_adds(fmt, t, direct):
+    """per_slot=True: each (token, slot)'s unweighted expert output [T, k, H] as the
+    reference's; the combine of those outputs is bit for bit the op's combined output; the
+    op's meta shape follows."""
+    args = _case(fmt, torch.bfloat16, t, seed=t + 40, experts=6)
+    kernel, ref = KERNELS[fmt]
+    slots = kernel(*args, direct=direct, per_slot=True)
+    assert slots.shape == (t, K, args[0].shape[1]) and slots.dtype == torch.bfloat16
+    torch.testing.assert_close(slots.cpu(), ref(*on_cpu(args), per_slot=True),
+                               **_tolerance(fmt, torch.bfloat16))
+    combined = _moe_common.combine(slots.reshape(t * K, -1), args[2], t)
+    assert torch.equal(combined, kernel(*args, direct=direct))
+    meta = getattr(torch.ops.beam, f"moe_{fmt}")(*(a.to("meta") for a in args), per_slot=True)
+    assert meta.shape == slots.shape
+
+
+@pytest.mark.parametrize("fmt", sorted(KERNELS))
 def test_all_tokens_on_one_expert_through_the_op(fmt):
     t = 19  # 76 pairs: the op takes the sorted path on its own
     ids = torch.stack([torch.randperm(E - 1)[: K - 1] + 1 for _ in range(t)])

@@ -222,3 +222,38 @@ def test_add_rmsnorm_adds_fp32_partials_of_y(t, splits):
                                                EPS)[0])
     with pytest.raises(Exception, match=r"y partials \(2, 1, 100\) must be \[S, 1, 200\]"):
         torch.ops.beam.add_rmsnorm(h[:1], torch.zeros(2, 1, 100), w, w, a, b, EPS)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("t", [1, 5])
+def test_add_rmsnorm_combines_weighted_per_slot_outputs(t):
+    """y as an MoE's per-slot outputs [k, T, H] (a transposed [T, k, H] view) with y_weights
+    [T, k]: bit for bit add_rmsnorm of the MoE combine kernel's output (the kernels), and of
+    the reference combine (the reference op); a y_weights of the wrong shape or with a plain y
+    is refused."""
+    from plugins._moe_common import combine
+    from plugins.add_rmsnorm import sum_partials
+
+    k, hid = 4, 200
+    h = _rows(t, hid, torch.bfloat16, 31)
+    slots = torch.stack([_rows(k, hid, torch.bfloat16, 32 + i, scale=2.0) for i in range(t)])
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(t)) * 2.5
+    w = (1.0 + 0.1 * _rows(1, hid, torch.float32, 40)[0]).to(torch.bfloat16)
+    scale = torch.tensor(3.0 / 448)
+    a, b = TINY.residual_coeffs(3)
+    dev = KERNEL_DEVICE
+    args = (w.to(dev), w.to(dev), scale.to(dev), a, b, EPS)
+    got = torch.ops.beam.add_rmsnorm_fp8(h.to(dev), slots.to(dev).transpose(0, 1), *args,
+                                         weights.to(dev))
+    y = combine(slots.to(dev).reshape(t * k, hid), weights.to(dev), t)
+    want = torch.ops.beam.add_rmsnorm_fp8(h.to(dev), y, *args)
+    for g, w_ in zip(got, want):
+        assert torch.equal(g.cpu().view(torch.uint8), w_.cpu().view(torch.uint8))
+    ref = ref_add_rmsnorm(h, slots.transpose(0, 1), w, w, a, b, EPS, y_weights=weights)
+    want_ref = ref_add_rmsnorm(h, sum_partials(slots.transpose(0, 1), h.dtype, weights), w, w,
+                               a, b, EPS)
+    assert torch.equal(ref[0], want_ref[0]) and torch.equal(ref[1], want_ref[1])
+    with pytest.raises(Exception, match=rf"y_weights \({t}, 3\) must be \[{t}, 4\]"):
+        torch.ops.beam.add_rmsnorm(h, slots.transpose(0, 1), w, w, a, b, EPS, torch.zeros(t, 3))
+    with pytest.raises(Exception, match="y_weights needs y as partials"):
+        torch.ops.beam.add_rmsnorm(h, h, w, w, a, b, EPS, weights)
