@@ -88,8 +88,10 @@ def ref_moe(
     `finish`)."""
     quantized = quant13 is not None
     act = act_dtype or x.dtype
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    slots = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=act, device=x.device)
+    if per_slot:
+        slots = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=act, device=x.device)
+    else:
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
         w13, w2 = expert(e)
@@ -99,15 +101,22 @@ def ref_moe(
         up = F.linear(xe, w13[inner:]).to(act)
         h = F.silu(gate) * up
         y = F.linear(quant2(h.float()) if quantized else h, w2).to(act)
-        out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
-        slots[token, slot] = y
+        if per_slot:
+            slots[token, slot] = y
+        else:
+            out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
     return slots if per_slot else out.to(act)
 
 
+def empty_output(x: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype,
+                 per_slot: bool) -> torch.Tensor:
+    """An moe_* op's output buffer: [T, H], or with per_slot [T, k, H] (see `finish`)."""
+    shape = (*topk_ids.shape, x.shape[1]) if per_slot else x.shape
+    return torch.empty(shape, dtype=dtype, device=x.device)
+
+
 def fake_moe(x: torch.Tensor, topk_ids: torch.Tensor, *args, per_slot: bool = False):
-    if per_slot:
-        return x.new_empty((*topk_ids.shape, x.shape[1]))
-    return torch.empty_like(x)
+    return empty_output(x, topk_ids, x.dtype, per_slot)
 
 
 # ---------------------------------------------------------------------------- row blocks

@@ -89,7 +89,6 @@ def _store_x(x_ptrs, q_ptrs, x_scale, h_new, inv_rms_h, w_pre, mask, dtype: tl.c
         tl.store(q_ptrs, fp8_codes(x.to(tl.float32), x_scale), mask=mask)
 
 
-
 @triton.jit
 def _add_rmsnorm_kernel(h_ptr, y_ptr, yw_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_ptr, qs_ptr,
                         T, stride_h, stride_y, stride_ys, stride_yw, stride_ho, stride_x, stride_q,

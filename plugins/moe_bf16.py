@@ -25,8 +25,8 @@ import triton.language as tl
 from ._gemm import dot_precision, gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, GemmConfig, Routing, block_tile, check_expert_weights, check_ids_in_range,
-    check_routing, configs_for, fake_moe, finish, past_last_row, plan_routing, ref_moe,
-    routing_ptrs,
+    check_routing, configs_for, empty_output, fake_moe, finish, past_last_row, plan_routing,
+    ref_moe, routing_ptrs,
 )
 from .registry import dispatch, register
 
@@ -102,7 +102,7 @@ def moe_bf16_triton(x, topk_ids, topk_weights, w13, w2, direct=None, config13=No
     e, inner = check_expert_weights(OP, x, w13, w2, (x.dtype,))
     numel = t * top_k
     if numel == 0:
-        return fake_moe(x, topk_ids, per_slot=per_slot)
+        return empty_output(x, topk_ids, x.dtype, per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     # FP32 experts: half the K depth, so a pipelined tile takes the shared memory of a BF16 one
     block_k = 128 if x.element_size() <= 2 else 64

@@ -39,8 +39,8 @@ from ._checks import ACT_DTYPES, check_device, check_out_dtype
 from ._gemm import gemm_loop, round_to, silu_mul, tile_of, tma_gemm_loop, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, configs_for, finish, past_last_row,
-    plan_routing, ref_moe, routing_ptrs, tail_ptrs,
+    check_ids_in_range, check_routing, check_tensor, configs_for, empty_output, finish,
+    past_last_row, plan_routing, ref_moe, routing_ptrs, tail_ptrs,
 )
 from .registry import dispatch, register
 from .tuning import tuned_moe
@@ -102,12 +102,7 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_sca
       *, per_slot=False):
     act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale,
                         a2_scale, out_dtype)[2]
-    return _empty_output(x, topk_ids, act, per_slot)
-
-
-def _empty_output(x, topk_ids, act, per_slot: bool) -> torch.Tensor:
-    shape = (*topk_ids.shape, x.shape[1]) if per_slot else x.shape
-    return torch.empty(shape, dtype=act, device=x.device)
+    return empty_output(x, topk_ids, act, per_slot)
 
 
 # ---------------------------------------------------------------------------- triton
@@ -242,7 +237,7 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
     top_k = topk_ids.shape[1]
     numel = t * top_k
     if numel == 0:
-        return _empty_output(x, topk_ids, act, per_slot)
+        return empty_output(x, topk_ids, act, per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2)
     c13, c2 = configs_for(numel if not direct else 1, e, config13, config2, tails=True)

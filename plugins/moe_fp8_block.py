@@ -35,7 +35,7 @@ from ._checks import check_device
 from ._gemm import fp8_block_gemm_loop, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, configs_for, fake_moe, finish,
+    check_ids_in_range, check_routing, check_tensor, configs_for, empty_output, fake_moe, finish,
     past_last_row, plan_routing, ref_moe, routing_ptrs,
 )
 from .registry import PluginError, dispatch, register
@@ -166,7 +166,7 @@ def moe_fp8_block_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale
     top_k = topk_ids.shape[1]
     numel = t * top_k
     if numel == 0:
-        return fake_moe(x, topk_ids, per_slot=per_slot)
+        return empty_output(x, topk_ids, x.dtype, per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     c13, c2 = block_configs(numel if not direct else 1, e, config13, config2)
     routing = plan_routing(topk_ids, e, c13.block_m, direct)

@@ -33,8 +33,8 @@ from ._checks import _expect, check_device
 from ._gemm import dot_precision, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, GemmConfig, Routing, block_tile, check_expert_weights, check_ids_in_range,
-    check_routing, check_tensor, configs_for, fake_moe, finish, past_last_row, plan_routing,
-    ref_moe, routing_ptrs,
+    check_routing, check_tensor, configs_for, empty_output, fake_moe, finish, past_last_row,
+    plan_routing, ref_moe, routing_ptrs,
 )
 from ._tiles import nvfp4_k_loop, nvfp4_side
 from .registry import dispatch, register, triton_interpreted
@@ -177,7 +177,7 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     top_k = topk_ids.shape[1]
     numel = t * top_k
     if numel == 0:
-        return fake_moe(x, topk_ids, per_slot=per_slot)
+        return empty_output(x, topk_ids, x.dtype, per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2, x.dtype)
     c13, c2 = launch_configs(numel if not direct else 1, e, config13, config2)

@@ -94,9 +94,10 @@ class BeamModel:
                  kv: KVCache):
         self.cfg, self.kv = cfg, kv
         self.ops = _ops()
+        from plugins._common import sm_count
+
         device = weights["model.embed_tokens.weight"].device
-        self.sm_count = (torch.cuda.get_device_properties(device).multi_processor_count
-                         if device.type == "cuda" else None)
+        self.sm_count = sm_count(device) if device.type == "cuda" else None
         take = _Taker(weights)
         self.embed = take("model.embed_tokens.weight")
         self.layers = [self._layer(take, layer_plan.get(f"layer{i}", {}), i)
