@@ -3,7 +3,10 @@
 NVFP4 (W4A16 on Hopper). Reports, per format:
 
 - per-layer batch-1 decode time (each layer's step captured in a CUDA graph, 2K context)
-  against its weight-read floor (bytes touched / measured copy bandwidth);
+  against its weight-read floor (bytes touched / measured copy bandwidth), both as one replay
+  of a one-layer graph (which also pays the graph launch) and per layer in a graph chaining the
+  layer 8 times (the launch paid once, as in the whole-model graph), with layer 1's kernels'
+  in-graph durations and the idle gaps between them;
 - CUDA kernels launched per layer in one eager decode step (torch profiler);
 - 8 x 2K prefill time per layer (one chunk of 16K tokens) against its GEMM floor;
 - batch-1 and batch-64 decode through `Engine.step()` (whole model, CUDA graphs).
@@ -130,24 +133,81 @@ def layer_input(model, i: int, h: torch.Tensor):
     return x, xq
 
 
-def decode_layers(engine, chunk, device, iters: int) -> list[float]:
-    """Batch-1 decode time of each layer alone, replaying its captured CUDA graph."""
+REPEATS = 8  # layers one graph chains in the steady-state measurement
+
+
+def _chain(model, i: int, h, x, xq, s, repeats: int):
+    """Layer i run `repeats` times, each on the previous run's output (as the whole-model graph
+    chains 52 layers; the weights streamed in between are far larger than the L2)."""
+    for _ in range(repeats):
+        h, x, xq = model.layer(i, h, x, xq, s)
+    return h, x, xq
+
+
+def decode_layers(engine, chunk, device, iters: int) -> tuple[list[float], list[float]]:
+    """Batch-1 decode time of each layer: (one replay of a graph holding the layer once, which
+    also pays the graph launch; the per-layer time of a graph chaining it REPEATS times, which
+    pays it once for all, as the whole-model graph does)."""
     s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
-    model, times = engine.model, []
+    model, single, chained = engine.model, [], []
     h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         for i in range(len(model.layers)):
             x, xq = layer_input(model, i, h)
             for _ in range(2):
                 model.layer(i, h, x, xq, s)
-            if device.type == "cuda":
+            if device.type != "cuda":
+                single.append(cuda_time(lambda: model.layer(i, h, x, xq, s), 3, device))
+                chained.append(single[-1])
+                continue
+            for repeats, out in ((1, single), (REPEATS, chained)):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    model.layer(i, h, x, xq, s)
-                times.append(cuda_time(graph.replay, 200, device))
-            else:
-                times.append(cuda_time(lambda: model.layer(i, h, x, xq, s), 3, device))
-    return times
+                    _chain(model, i, h, x, xq, s, repeats)
+                out.append(cuda_time(graph.replay, iters, device) / repeats)
+                del graph
+    return single, chained
+
+
+def graph_timeline(engine, chunk, device, i: int = 1, replays: int = 5) -> list[dict]:
+    """Layer i's kernels as they run inside the chained graph (torch profiler over replays):
+    per kernel, the median duration and the median idle gap before it (end of the previous
+    kernel to its start), over the middle repeats (the first pays the graph launch)."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    model = engine.model
+    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        x, xq = layer_input(model, i, h)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _chain(model, i, h, x, xq, s, REPEATS)
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not e.name.startswith(("Memcpy", "Memset"))),
+                     key=lambda e: e.time_range.start)
+    per_layer = len(kernels) // (replays * REPEATS)
+    if per_layer == 0 or len(kernels) != per_layer * replays * REPEATS:
+        return [{"error": f"{len(kernels)} kernel events for {replays} x {REPEATS} layers"}]
+    rows = []
+    for j in range(per_layer):
+        durs, gaps = [], []
+        for r in range(replays):
+            for rep in range(1, REPEATS - 1):
+                n = (r * REPEATS + rep) * per_layer + j
+                durs.append(kernels[n].time_range.elapsed_us())
+                gaps.append(kernels[n].time_range.start - kernels[n - 1].time_range.end)
+        rows.append({"name": kernels[j].name[:80], "us": statistics.median(durs),
+                     "gap_us": statistics.median(gaps)})
+    return rows
 
 
 def count_launches(engine, chunk, device) -> list[dict]:
@@ -234,7 +294,10 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     req = chunks[0].request
     assert engine.scheduler._ensure_blocks(req, req.num_computed + 1)
     chunk = Chunk(req, req.num_computed, 1)
-    decode_ms = section(res, "per-layer decode graphs", lambda: decode_layers(engine, chunk, device, 200))
+    decode = section(res, "per-layer decode graphs", lambda: decode_layers(engine, chunk, device, 200))
+    decode_ms, chained_ms = decode if decode else (None, None)
+    res["timeline_layer1"] = section(res, "layer-1 graph timeline",
+                                     lambda: graph_timeline(engine, chunk, device))
     launches = section(res, "launch count", lambda: count_launches(engine, chunk, device))
     for i in range(cfg.num_hidden_layers):
         base = fmt.removesuffix("+gate")
@@ -244,6 +307,7 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
         res["layers"].append({
             "layer": i, "kind": ("full" if cfg.is_full(i) else "sliding") + (" MoE" if cfg.is_moe(i) else " dense"),
             "decode_ms": decode_ms[i] if decode_ms else None,
+            "decode_chained_ms": chained_ms[i] if chained_ms else None,
             "decode_floor_ms": nbytes / ceilings["copy_GBps"] / 1e6, "decode_bytes_MB": nbytes / 1e6,
             "kernels": launches[i].get("kernels") if launches else None,
             "memcpy_memset": launches[i].get("memcpy_memset") if launches else None,
@@ -274,17 +338,22 @@ def print_table(results: list[dict], ceilings: dict) -> None:
             print(f"\n{r['format']}: FAILED {r['error']}")
             continue
         print(f"\n{r['format']} (setup {r.get('setup_s', 0):.0f} s; errors: {r.get('errors', 'none')})")
-        print("| layer | kind | decode b=1 ms | floor ms | x floor | kernels | sum of kernel times ms | prefill 8x2K ms | GEMM floor ms | x floor |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print(f"| layer | kind | decode b=1 ms | floor ms | x floor | in a graph of {REPEATS} ms "
+              "| x floor | kernels | sum of kernel times ms | prefill 8x2K ms | GEMM floor ms | x floor |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for l in r["layers"]:
             for n in (l.get("kernel_names") or []) if l["layer"] == 1 else []:
                 print(f"    layer 1 kernel {n}")
             dec = l["decode_ms"] or float("nan")
+            chained = l.get("decode_chained_ms") or float("nan")
             print(f"| {l['layer']} | {l['kind']} | {dec:.4f} | {l['decode_floor_ms']:.4f} | "
-                  f"{dec / l['decode_floor_ms']:.2f} | {l['kernels']} (+{l['memcpy_memset']}) | "
+                  f"{dec / l['decode_floor_ms']:.2f} | {chained:.4f} | "
+                  f"{chained / l['decode_floor_ms']:.2f} | {l['kernels']} (+{l['memcpy_memset']}) | "
                   f"{(l.get('kernel_us') or float('nan')) / 1e3:.4f} | "
                   f"{l['prefill_ms']:.2f} | {l['prefill_floor_ms']:.2f} | "
                   f"{l['prefill_ms'] / l['prefill_floor_ms']:.2f} |")
+        for k in r.get("timeline_layer1") or []:
+            print(f"    layer 1 in the chained graph: {k}")
         for d in r.get("decode", []):
             print(f"decode batch {d['batch']}: {d['step_ms']:.3f} ms/step, {d['tokens_per_s']:.0f} tok/s "
                   f"({d['graph_steps']}/{d['steps']} steps in CUDA graphs)")
