@@ -93,6 +93,20 @@ def f64_pair(x: float) -> tuple[float, float]:
     return hi, float(np.float32(x - hi))
 
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+
+def rope_inv_freq(theta: float, head_dim: int, device: torch.device) -> torch.Tensor:
+    """theta^(-2i/D) for i < D/2 in float64, computed as `reference.rope_cos_sin` computes it,
+    on `device` (cached: made once, by device ops, so even a first call inside a CUDA-graph
+    capture works)."""
+    key = (float(theta), head_dim, str(device))
+    if key not in _INV_FREQ:
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
+        _INV_FREQ[key] = theta ** (-exponents / head_dim)
+    return _INV_FREQ[key]
+
+
 @triton.jit
 def _f64(pair_hi, pair_lo):
     return tl.cast(pair_hi, tl.float64) + tl.cast(pair_lo, tl.float64)
@@ -108,8 +122,8 @@ def _rms_halves(x1, x2, w1, w2, eps, D: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rotation(pos_ptr, t, d, IS_FULL: tl.constexpr, D: tl.constexpr, ln_theta_hi, ln_theta_lo,
-              two_pi_hi, two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo):
+def _rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL: tl.constexpr, D: tl.constexpr, two_pi_hi,
+              two_pi_lo, inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo):
     """(cos, sin) [1, BLOCK_D2] of token t's RoPE angles; on full layers (scale, 0), so that
     `x1 * cos - x2 * sin` is exactly the SSMax-scaled x1."""
     pos = tl.load(pos_ptr + t).to(tl.float64)
@@ -119,14 +133,16 @@ def _rotation(pos_ptr, t, d, IS_FULL: tl.constexpr, D: tl.constexpr, ln_theta_hi
         cos = tl.zeros(d.shape, tl.float32) + scale
         sin = tl.zeros(d.shape, tl.float32)
     else:
-        # inv_freq_i = theta^(-2i/D); angles in FP64 as the reference computes them
-        inv_freq = tl.exp(-(2.0 * d.to(tl.float64) / D) * _f64(ln_theta_hi, ln_theta_lo))
+        # inv_freq_i = theta^(-2i/D) from the reference's own FP64 table (`rope_inv_freq`):
+        # every thread holds ~8-12 of the [heads, D/2] tile's angles, and an FP64 exp and
+        # division each made the sliding layers' qk_prep 2.2 us slower than the full ones'.
+        inv_freq = tl.load(inv_freq_ptr + d, mask=d < D // 2, other=0.0)
         angle = pos * inv_freq
-        # Reduce to [-pi, pi] in FP64, then FP32 cos/sin (abs. error ~2e-7): FP64 cos/sin cost
-        # ~100 more registers per thread and spilled.
-        two_pi = _f64(two_pi_hi, two_pi_lo)
-        turns = (angle / two_pi + 0.5).to(tl.int64).to(tl.float64)  # angle >= 0: trunc = floor
-        reduced = (angle - turns * two_pi).to(tl.float32)
+        # Reduce to about [-pi, pi] in FP64 (any whole number of turns near angle / 2pi will
+        # do), then FP32 cos/sin (abs. error ~2e-7): FP64 cos/sin cost ~100 more registers
+        # per thread and spilled.
+        turns = (angle * _f64(inv_two_pi_hi, inv_two_pi_lo) + 0.5).to(tl.int64).to(tl.float64)
+        reduced = (angle - turns * _f64(two_pi_hi, two_pi_lo)).to(tl.float32)
         cos = tl.cos(reduced)
         sin = tl.sin(reduced)
     return cos, sin
@@ -206,10 +222,11 @@ def _gate_from_x(x_ptr, wg_ptr, g_ptr, tile, T, H, stride_x, HQ: tl.constexpr,
 
 
 @triton.jit
-def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
-                    x_ptr, wg_ptr, q_ptr, k_ptr, v_ptr, g_ptr, T, H, stride_t, stride_x,
-                    block_size, stride_blk, stride_row, stride_head, eps, ln_theta_hi,
-                    ln_theta_lo, two_pi_hi, two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo,
+def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
+                    ks_ptr, vs_ptr, x_ptr, wg_ptr, q_ptr, k_ptr, v_ptr, g_ptr, T, H, stride_t,
+                    stride_x, block_size, stride_blk, stride_row, stride_head, eps, two_pi_hi,
+                    two_pi_lo, inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo, exp_hi,
+                    exp_lo,
                     IS_FULL: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                     QH: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                     BLOCK_D2: tl.constexpr, GATE_X: tl.constexpr, GATE_T: tl.constexpr,
@@ -228,12 +245,14 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
         # (each branch computes the angles itself: cos/sin live across the branch made ptxas
         # spill around libdevice's slow path of sinf/cosf)
         if part < PARTS - 1:
-            cos, sin = _rotation(pos_ptr, t, d, IS_FULL, D, ln_theta_hi, ln_theta_lo, two_pi_hi,
-                                 two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo)
+            cos, sin = _rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
+                                 inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
+                                 exp_hi, exp_lo)
             _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, HQ, D, QH)
         else:
-            cos, sin = _rotation(pos_ptr, t, d, IS_FULL, D, ln_theta_hi, ln_theta_lo, two_pi_hi,
-                                 two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo)
+            cos, sin = _rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
+                                 inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
+                                 exp_hi, exp_lo)
             _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, t, d,
                      cos, sin, block_size, stride_blk, stride_row, stride_head, eps, IS_FULL, HQ,
                      HKV, D, BLOCK_HKV, BLOCK_D2)
@@ -286,11 +305,12 @@ def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_ca
     else:  # no gate programs; x and g_weight are never read
         gp = dict(GATE_T=1, GATE_G=1, GATE_K=1, GATE_DOT=False)
         x = g_weight = qkvg
+    inv_freq = positions if is_full else rope_inv_freq(rope_theta, d, qkvg.device)  # (unread)
     _qk_prep_kernel[(grid,)](
-        qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping, k_scale,
-        v_scale, x, g_weight, q, k, v, gate, t, x.shape[1], qkvg.stride(0), x.stride(0),
+        qkvg, positions, inv_freq, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
+        k_scale, v_scale, x, g_weight, q, k, v, gate, t, x.shape[1], qkvg.stride(0), x.stride(0),
         k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        *f64_pair(math.log(rope_theta)), *f64_pair(2 * math.pi), *f64_pair(1.0 / ssmax_base),
+        *f64_pair(2 * math.pi), *f64_pair(1 / (2 * math.pi)), *f64_pair(1.0 / ssmax_base),
         *f64_pair(ssmax_exponent), IS_FULL=is_full, HQ=hq, HKV=hkv, D=d, QH=qh,
         BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv), BLOCK_D2=next_pow2(d // 2),
         GATE_X=gate_x, DOT_PREC=dot_precision(qkvg.dtype), num_warps=4, **gp)
