@@ -165,14 +165,15 @@ def _config(m: int, n: int, k: int, config=None, split_k: int = 1):
 
 def decode_split_k(m: int, n: int, k: int, sm_count: int) -> int:
     """Splits of K for a few-token call whose consumer adds partial sums (see the module
-    docstring): 2 when the Triton tiles would leave more than a third of the SMs idle and each
-    half keeps >= 2048 channels (o_proj [5120 x 6144] at M = 1: 80 tiles for 132 SMs; split,
-    10.5 against 12.6-13.4 us, H200 bench/decode_sweep.py --only linear_split), else 1."""
+    docstring): 2 when the split's tiles (SPLIT_CONFIG's rows) number at most one per SM, so
+    that the two halves' programs still run in one wave, and each half keeps >= 2048 channels;
+    else 1. At M = 1 on the H200 (bench/decode_sweep.py --only linear_split): o_proj
+    [5120 x 6144] (80 tiles) 10.4 against 12.6-13.4 us unsplit, q/k/v [8192 x 5120] (128
+    tiles) 12.2 against 13.4."""
     if m > SMALL_M:
         return 1
-    cfg = _config(m, n, k)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return 2 if 3 * tiles < 2 * sm_count and k >= 4096 else 1
+    tiles = triton.cdiv(m, SPLIT_CONFIG.block_m) * triton.cdiv(n, SPLIT_CONFIG.block_n)
+    return 2 if tiles <= sm_count and k >= 4096 else 1
 
 
 @register(OP, "triton")

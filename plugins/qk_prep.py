@@ -13,10 +13,14 @@ this saves the gate's own GEMM, cuBLAS' split-K reduce and a concat):
     k_cache / v_cache row at slot_mapping[t] = store(k), store(v)     (as beam::cache_write)
 
 Shapes / dtypes: qkvg [T, Hq·D + 2·Hkv·D + Hq] (fp32, bf16, fp16), or [T, Hq·D + 2·Hkv·D]
-with x [T, H] and g_weight [Hq, H] (both in qkvg's dtype); positions [T] int32/int64,
+with x [T, H] and g_weight [Hq, H] (both in qkvg's dtype); or qkvg as a split GEMM's FP32
+partial sums [S, T, width] (beam::linear_fp8's split_k output) with out_dtype: the projection
+is their sum in order rounded to out_dtype, as the unsplit GEMM's output would be (x and
+g_weight then in out_dtype); positions [T] int32/int64,
 q_norm_weight, k_norm_weight [D], k_cache, v_cache [N, bs, Hkv, D] (see cache_write),
 slot_mapping [T] int64 (-1 = do not write), k_scale, v_scale fp32 [] (FP8 caches only)
--> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] in qkvg's dtype, gate [T, Hq] fp32.
+-> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] in qkvg's dtype (out_dtype for partials),
+gate [T, Hq] fp32.
 Hkv and D come from the cache and the norm weight; Hq from qkvg's width (or g_weight).
 Contract: returns four new tensors and mutates k_cache / v_cache (only the slots >= 0).
 One launch: per token, one program per 16 query heads and one for k, v and the cache rows;
@@ -43,6 +47,7 @@ from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix, for the gate
 from ._attention_tiles import dot_precision
 from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2,
                       rows_times_weights)
+from .add_rmsnorm import sum_partials
 from .cache_write import check_slots, ref_cache_write, store_cache_rows
 from .registry import dispatch, register
 
@@ -66,7 +71,8 @@ def split_qkvg(qkvg: torch.Tensor, num_kv_heads: int, head_dim: int,
 @register(OP, "reference")
 def ref_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
                 k_scale, v_scale, is_full: bool, eps: float, rope_theta: float,
-                ssmax_base: float, ssmax_exponent: float, x=None, g_weight=None):
+                ssmax_base: float, ssmax_exponent: float, x=None, g_weight=None, out_dtype=None):
+    qkvg = sum_partials(qkvg, out_dtype)  # a split GEMM's partials: their rounded sum
     t, (hkv, d) = qkvg.shape[0], k_cache.shape[2:]
     hq, _ = split_qkvg(qkvg, hkv, d, packed_gate=g_weight is None)
     if g_weight is None:
@@ -149,8 +155,21 @@ def _rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
-def _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, HQ: tl.constexpr, D: tl.constexpr,
-            QH: tl.constexpr):
+def _row_values(ptrs, mask, stride_s, PARTIALS: tl.constexpr, dtype: tl.constexpr):
+    """FP32 values of the packed projection at ptrs: the row as it is (PARTIALS = 0), or its
+    PARTIALS FP32 partial sums (a split GEMM's, stride_s apart) added in order and rounded to
+    dtype, as the unsplit GEMM's output would be."""
+    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, PARTIALS):
+        v += tl.load(ptrs + part * stride_s, mask=mask, other=0.0)
+    if PARTIALS > 0:
+        v = cast_rne(v, dtype).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, stride_s, HQ: tl.constexpr,
+            D: tl.constexpr, QH: tl.constexpr, PARTIALS: tl.constexpr):
     """Query heads [part * QH, part * QH + QH) of token t: RMSNorm, then RoPE or SSMax."""
     D2: tl.constexpr = D // 2
     dtype = q_ptr.dtype.element_ty
@@ -158,8 +177,8 @@ def _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, HQ: tl.constexpr, D: 
     qw2 = tl.load(qw_ptr + D2 + d, mask=d < D2, other=0.0).to(tl.float32)
     hq = part * QH + tl.arange(0, QH)[:, None]
     mq = (hq < HQ) & (d < D2)
-    q1 = tl.load(row + hq * D + d, mask=mq, other=0.0).to(tl.float32)
-    q2 = tl.load(row + hq * D + D2 + d, mask=mq, other=0.0).to(tl.float32)
+    q1 = _row_values(row + hq * D + d, mq, stride_s, PARTIALS, dtype)
+    q2 = _row_values(row + hq * D + D2 + d, mq, stride_s, PARTIALS, dtype)
     q1, q2 = _rms_halves(q1, q2, qw1, qw2, eps, D, dtype)
     out_q = q_ptr + t * HQ * D + hq * D + d
     tl.store(out_q, cast_rne(q1 * cos - q2 * sin, dtype), mask=mq)
@@ -168,17 +187,17 @@ def _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, HQ: tl.constexpr, D: 
 
 @triton.jit
 def _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, t, d, cos, sin,
-             block_size, stride_blk, stride_row, stride_head, eps, IS_FULL: tl.constexpr,
-             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_HKV: tl.constexpr,
-             BLOCK_D2: tl.constexpr):
+             block_size, stride_blk, stride_row, stride_head, eps, stride_s,
+             IS_FULL: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+             BLOCK_HKV: tl.constexpr, BLOCK_D2: tl.constexpr, PARTIALS: tl.constexpr):
     """Token t's KV heads: k normed (and RoPE'd on sliding layers), v copied, both stored into
     the cache slot of the token."""
     D2: tl.constexpr = D // 2
     dtype = k_ptr.dtype.element_ty
     hk = tl.arange(0, BLOCK_HKV)[:, None]
     mk = (hk < HKV) & (d < D2)
-    k1 = tl.load(row + HQ * D + hk * D + d, mask=mk, other=0.0).to(tl.float32)
-    k2 = tl.load(row + HQ * D + hk * D + D2 + d, mask=mk, other=0.0).to(tl.float32)
+    k1 = _row_values(row + HQ * D + hk * D + d, mk, stride_s, PARTIALS, dtype)
+    k2 = _row_values(row + HQ * D + hk * D + D2 + d, mk, stride_s, PARTIALS, dtype)
     kw1 = tl.load(kw_ptr + d, mask=d < D2, other=0.0).to(tl.float32)
     kw2 = tl.load(kw_ptr + D2 + d, mask=d < D2, other=0.0).to(tl.float32)
     k1, k2 = _rms_halves(k1, k2, kw1, kw2, eps, D, dtype)
@@ -191,8 +210,8 @@ def _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr
     tl.store(out_k + D2, k2.to(dtype), mask=mk)
     dv = tl.arange(0, 2 * BLOCK_D2)[None, :]  # v: copied through
     mv = (hk < HKV) & (dv < D)
-    v = tl.load(row + HQ * D + HKV * D + hk * D + dv, mask=mv, other=0.0)
-    tl.store(v_ptr + t * HKV * D + hk * D + dv, v, mask=mv)
+    v = _row_values(row + HQ * D + HKV * D + hk * D + dv, mv, stride_s, PARTIALS, dtype)
+    tl.store(v_ptr + t * HKV * D + hk * D + dv, v.to(dtype), mask=mv)
     # cache rows: the rounded k as returned, v as is
     slot = tl.load(slot_ptr + t)
     kscale = tl.load(ks_ptr)
@@ -224,10 +243,9 @@ def _gate_from_x(x_ptr, wg_ptr, g_ptr, tile, T, H, stride_x, HQ: tl.constexpr,
 @triton.jit
 def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
                     ks_ptr, vs_ptr, x_ptr, wg_ptr, q_ptr, k_ptr, v_ptr, g_ptr, T, H, stride_t,
-                    stride_x, block_size, stride_blk, stride_row, stride_head, eps, two_pi_hi,
-                    two_pi_lo, inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo, exp_hi,
-                    exp_lo,
-                    IS_FULL: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                    stride_s, stride_x, block_size, stride_blk, stride_row, stride_head, eps,
+                    two_pi_hi, two_pi_lo, inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
+                    exp_hi, exp_lo, PARTIALS: tl.constexpr, IS_FULL: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                     QH: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                     BLOCK_D2: tl.constexpr, GATE_X: tl.constexpr, GATE_T: tl.constexpr,
                     GATE_G: tl.constexpr, GATE_K: tl.constexpr, GATE_DOT: tl.constexpr,
@@ -248,18 +266,19 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
             cos, sin = _rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
                                  inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
                                  exp_hi, exp_lo)
-            _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, HQ, D, QH)
+            _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, stride_s, HQ, D, QH,
+                    PARTIALS)
         else:
             cos, sin = _rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
                                  inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
                                  exp_hi, exp_lo)
             _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, t, d,
-                     cos, sin, block_size, stride_blk, stride_row, stride_head, eps, IS_FULL, HQ,
-                     HKV, D, BLOCK_HKV, BLOCK_D2)
+                     cos, sin, block_size, stride_blk, stride_row, stride_head, eps, stride_s,
+                     IS_FULL, HQ, HKV, D, BLOCK_HKV, BLOCK_D2, PARTIALS)
             if not GATE_X:  # packed gate logits: FP32 sigmoid
                 hg = tl.arange(0, BLOCK_HQ)
-                g = tl.load(row + HQ * D + 2 * HKV * D + hg, mask=hg < HQ, other=0.0)
-                g = g.to(tl.float32)
+                g = _row_values(row + HQ * D + 2 * HKV * D + hg, hg < HQ, stride_s, PARTIALS,
+                                q_ptr.dtype.element_ty)
                 tl.store(g_ptr + t * HQ + hg, 1.0 / (1.0 + tl.exp(-g)), mask=hg < HQ)
     elif GATE_X:
         _gate_from_x(x_ptr, wg_ptr, g_ptr, pid - T * PARTS, T, H, stride_x, HQ, GATE_T, GATE_G,
@@ -288,11 +307,15 @@ def gate_launch_params(t: int, hq: int, h: int) -> dict:
 @register(OP, "triton")
 def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
                     k_scale, v_scale, is_full: bool, eps: float, rope_theta: float,
-                    ssmax_base: float, ssmax_exponent: float, x=None, g_weight=None):
-    t, (hkv, d) = qkvg.shape[0], k_cache.shape[2:]
+                    ssmax_base: float, ssmax_exponent: float, x=None, g_weight=None,
+                    out_dtype=None):
+    partials = qkvg.shape[0] if qkvg.dim() == 3 else 0
+    rows = qkvg[0] if partials else qkvg  # [T, width]: the first partial, or the projection
+    t, (hkv, d) = rows.shape[0], k_cache.shape[2:]
     hq, _ = split_qkvg(qkvg, hkv, d, packed_gate=g_weight is None)
-    q = qkvg.new_empty(t, hq, d)
-    k, v = qkvg.new_empty(t, hkv, d), qkvg.new_empty(t, hkv, d)
+    dtype = out_dtype if partials else qkvg.dtype
+    q = rows.new_empty(t, hq, d, dtype=dtype)
+    k, v = rows.new_empty(t, hkv, d, dtype=dtype), rows.new_empty(t, hkv, d, dtype=dtype)
     gate = qkvg.new_empty(t, hq, dtype=torch.float32)
     if t == 0:
         return q, k, v, gate
@@ -304,24 +327,36 @@ def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_ca
         grid += triton.cdiv(t, gp["GATE_T"]) * triton.cdiv(hq, gp["GATE_G"])
     else:  # no gate programs; x and g_weight are never read
         gp = dict(GATE_T=1, GATE_G=1, GATE_K=1, GATE_DOT=False)
-        x = g_weight = qkvg
+        x = g_weight = rows
     inv_freq = positions if is_full else rope_inv_freq(rope_theta, d, qkvg.device)  # (unread)
     _qk_prep_kernel[(grid,)](
         qkvg, positions, inv_freq, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
-        k_scale, v_scale, x, g_weight, q, k, v, gate, t, x.shape[1], qkvg.stride(0), x.stride(0),
+        k_scale, v_scale, x, g_weight, q, k, v, gate, t, x.shape[1], rows.stride(0),
+        qkvg.stride(0) if partials else 0, x.stride(0),
         k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         *f64_pair(2 * math.pi), *f64_pair(1 / (2 * math.pi)), *f64_pair(1.0 / ssmax_base),
-        *f64_pair(ssmax_exponent), IS_FULL=is_full, HQ=hq, HKV=hkv, D=d, QH=qh,
+        *f64_pair(ssmax_exponent), PARTIALS=partials, IS_FULL=is_full, HQ=hq, HKV=hkv, D=d, QH=qh,
         BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv), BLOCK_D2=next_pow2(d // 2),
-        GATE_X=gate_x, DOT_PREC=dot_precision(qkvg.dtype), num_warps=4, **gp)
+        GATE_X=gate_x, DOT_PREC=dot_precision(dtype), num_warps=4, **gp)
     return q, k, v, gate
 
 
 def _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
-           k_scale, v_scale, x=None, g_weight=None) -> int:
-    check_tensor(OP, "qkvg", qkvg, ndim=2, dtypes=FLOAT_DTYPES)
-    check(qkvg.stride(1) == 1, OP, "qkvg rows must be contiguous")
-    dev, t = qkvg.device, qkvg.shape[0]
+           k_scale, v_scale, x=None, g_weight=None, out_dtype=None) -> tuple[int, torch.dtype]:
+    """-> (Hq, the outputs' dtype)."""
+    if qkvg.dim() == 3:  # a split GEMM's FP32 partial sums
+        check_tensor(OP, "qkvg partials", qkvg, dtypes=(torch.float32,))
+        check(out_dtype in FLOAT_DTYPES, OP,
+              f"qkvg as partials {tuple(qkvg.shape)} needs out_dtype (one of bf16, fp16, fp32), "
+              f"got {out_dtype}")
+        dtype = out_dtype
+    else:
+        check_tensor(OP, "qkvg", qkvg, ndim=2, dtypes=FLOAT_DTYPES)
+        check(out_dtype in (None, qkvg.dtype), OP,
+              f"out_dtype {out_dtype} differs from qkvg's {qkvg.dtype} (only partials convert)")
+        dtype = qkvg.dtype
+    check(qkvg.stride(-1) == 1, OP, "qkvg rows must be contiguous")
+    dev, t = qkvg.device, qkvg.shape[-2]
     check_tensor(OP, "positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), device=dev)
     check(positions.shape[0] == t, OP, f"positions has {positions.shape[0]} entries for {t} tokens")
     check_tensor(OP, "k_cache", k_cache, ndim=4)
@@ -333,16 +368,16 @@ def _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot
     check((x is None) == (g_weight is None), OP, "x and g_weight come together (gate from x)")
     hq, _ = split_qkvg(qkvg, hkv, d, packed_gate=g_weight is None)
     if g_weight is not None:
-        check_tensor(OP, "x", x, ndim=2, dtypes=(qkvg.dtype,), device=dev)
+        check_tensor(OP, "x", x, ndim=2, dtypes=(dtype,), device=dev)
         check(x.shape[0] == t and x.stride(1) == 1, OP,
               f"x must be [{t}, H] with contiguous rows, got {tuple(x.shape)}")
-        check_tensor(OP, "g_weight", g_weight, ndim=2, dtypes=(qkvg.dtype,), device=dev)
+        check_tensor(OP, "g_weight", g_weight, ndim=2, dtypes=(dtype,), device=dev)
         check(tuple(g_weight.shape) == (hq, x.shape[1]) and g_weight.is_contiguous(), OP,
               f"g_weight must be contiguous [Hq={hq}, H={x.shape[1]}], got "
               f"{tuple(g_weight.shape)}")
     check_cache_pair(OP, k_cache, v_cache, k_scale, v_scale, dev)
     check_slots(OP, slot_mapping, t, dev)
-    return hq
+    return hq, dtype
 
 
 @torch.library.custom_op("beam::qk_prep", mutates_args=("k_cache", "v_cache"))
@@ -351,20 +386,21 @@ def qk_prep(qkvg: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Te
             slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
             is_full: bool, eps: float, rope_theta: float, ssmax_base: float,
             ssmax_exponent: float, x: Optional[torch.Tensor] = None,
-            g_weight: Optional[torch.Tensor] = None,
+            g_weight: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
-           k_scale, v_scale, x, g_weight)
+           k_scale, v_scale, x, g_weight, out_dtype)
     return dispatch(OP, qkvg.device, qkvg, positions, q_norm_weight, k_norm_weight, k_cache,
                     v_cache, slot_mapping, k_scale, v_scale, is_full, eps, rope_theta,
-                    ssmax_base, ssmax_exponent, x, g_weight)
+                    ssmax_base, ssmax_exponent, x, g_weight, out_dtype)
 
 
 @qk_prep.register_fake
 def _(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping, k_scale,
-      v_scale, is_full, eps, rope_theta, ssmax_base, ssmax_exponent, x=None, g_weight=None):
-    hq = _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
-                k_scale, v_scale, x, g_weight)
-    t, (hkv, d) = qkvg.shape[0], k_cache.shape[2:]
-    return (qkvg.new_empty(t, hq, d), qkvg.new_empty(t, hkv, d), qkvg.new_empty(t, hkv, d),
-            qkvg.new_empty(t, hq, dtype=torch.float32))
+      v_scale, is_full, eps, rope_theta, ssmax_base, ssmax_exponent, x=None, g_weight=None,
+      out_dtype=None):
+    hq, dtype = _check(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache,
+                       slot_mapping, k_scale, v_scale, x, g_weight, out_dtype)
+    t, (hkv, d) = qkvg.shape[-2], k_cache.shape[2:]
+    return (qkvg.new_empty(t, hq, d, dtype=dtype), qkvg.new_empty(t, hkv, d, dtype=dtype),
+            qkvg.new_empty(t, hkv, d, dtype=dtype), qkvg.new_empty(t, hq, dtype=torch.float32))

@@ -151,18 +151,19 @@ def test_fp8_kv_cache_engine_matches_reference_with_fp8_kv(quantized, monkeypatc
         assert results[f"r{k}"]["tokens"] == ref.generate(torch.tensor([p]), 10)[0, len(p):].tolist()
 
 
-def test_fp8_engine_with_split_o_proj_matches_reference(quantized, monkeypatch):
-    """The GPU's batch-1 o_proj split (two FP32 partial sums that the boundary's add_rmsnorm
-    adds) forced at every step on the CPU: the same greedy tokens as the reference."""
+def test_fp8_engine_with_split_projections_matches_reference(quantized, monkeypatch):
+    """The GPU's batch-1 q/k/v and o_proj splits (two FP32 partial sums that qk_prep and the
+    boundary's add_rmsnorm add) forced at every step on the CPU: the same greedy tokens as the
+    reference."""
     from beam_trtllm.engine.model import BeamModel
 
     calls = []
-    monkeypatch.setattr(BeamModel, "o_proj_split_k", lambda self, t, n, k: calls.append(t) or 2)
+    monkeypatch.setattr(BeamModel, "split_k", lambda self, t, n, k: calls.append(t) or 2)
     ckpt, engine_dir = quantized["fp8"]
     ref = reference_on_dequant(ckpt)
     engine = Engine.from_dir(engine_dir, device="cpu")
     ps = prompts(43, [5, 29])
     results = drive(engine, {0: [(f"r{k}", p, greedy(8)) for k, p in enumerate(ps)]})
-    assert len(calls) >= 6 * 8  # every layer of every step took the split
+    assert len(calls) >= 2 * 6 * 8  # both projections of every layer of every step split
     for k, p in enumerate(ps):
         assert results[f"r{k}"]["tokens"] == ref.generate(torch.tensor([p]), 8)[0, len(p):].tolist()

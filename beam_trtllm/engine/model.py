@@ -191,12 +191,13 @@ class BeamModel:
         full = cfg.is_full(i)
         k_cache, v_cache = kv.layer(i)
         ks, vs = kv.k_scale_t[i], kv.v_scale_t[i]
-        qkvg = _linear(x, layer["self_attn.qkvg_proj"], xq)
+        qkvg = self._split_linear(x, layer["self_attn.qkvg_proj"], xq)
         gate_from_x = () if layer["g_weight"] is None else (x, layer["g_weight"])
         q, k, v, gate = ops.qk_prep(qkvg, s.positions, layer["q_norm"], layer["k_norm"], k_cache,
                                     v_cache, s.slot_full if full else s.slot_sliding, ks, vs, full,
                                     cfg.rms_norm_eps, cfg.rope_theta, cfg.ssmax_base,
-                                    cfg.ssmax_exponent, *gate_from_x)
+                                    cfg.ssmax_exponent, *gate_from_x,
+                                    out_dtype=ACT_DTYPE if qkvg.dim() == 3 else None)
         if full and s.restore_rows.numel():
             # Prefix restore: these positions' exact K/V are in the cache; the recomputed ones
             # are exact only from restore start + (sliding layers below) * (window - 1).
@@ -214,16 +215,24 @@ class BeamModel:
                                 k_cache, v_cache, s.write_slots, ks, vs)
         if o_scale is None:
             return _linear(o, layer["self_attn.o_proj"])
-        w = layer["self_attn.o_proj"][0][1]
-        split = self.o_proj_split_k(o.shape[0], *w["weight"].shape)
-        if split > 1:  # FP32 partial sums, which the boundary's add_rmsnorm adds as it reads y
-            return ops.linear_fp8(o, w["weight"], w["weight_scale"], w["input_scale"], ACT_DTYPE,
-                                  split)
-        return _linear(None, layer["self_attn.o_proj"], o)
+        return self._split_linear(None, layer["self_attn.o_proj"], o)
 
-    def o_proj_split_k(self, t: int, n: int, k: int) -> int:
-        """K splits of an FP8 o_proj over t tokens (`plugins.linear_fp8.decode_split_k`): on a
-        GPU only, where a batch-1 o_proj's 80 weight tiles leave a third of the SMs idle."""
+    def _split_linear(self, x, segments, xq):
+        """`_linear`, except that a single FP8 segment on FP8 codes over a few tokens may
+        return FP32 partial sums [S, T, N] (`split_k`), which its consumer adds as it reads
+        them: qk_prep for q/k/v, the boundary's add_rmsnorm for o_proj."""
+        if len(segments) == 1 and segments[0][0] == "fp8" and xq is not None:
+            w = segments[0][1]
+            split = self.split_k(xq.shape[0], *w["weight"].shape)
+            if split > 1:
+                return self.ops.linear_fp8(xq, w["weight"], w["weight_scale"], w["input_scale"],
+                                           ACT_DTYPE, split)
+        return _linear(x, segments, xq)
+
+    def split_k(self, t: int, n: int, k: int) -> int:
+        """K splits of an FP8 GEMM over t tokens whose consumer adds partial sums
+        (`plugins.linear_fp8.decode_split_k`): on a GPU only, where a batch-1 GEMM's weight
+        tiles leave SMs idle."""
         if self.sm_count is None:
             return 1
         from plugins.linear_fp8 import decode_split_k

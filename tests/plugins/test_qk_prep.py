@@ -15,6 +15,7 @@ from kernel_cases import DTYPE_CASES, KERNEL_DEVICE
 from plugins._common import FP8_DTYPE, to_cache
 from plugins.cache_write import ref_cache_write
 from plugins.qk_prep import GATE_CONFIG, ref_qk_prep
+from plugins.registry import PluginError
 
 TINY = PRESETS["tiny"]
 EPS, THETA = TINY.rms_norm_eps, TINY.rope_theta
@@ -174,3 +175,50 @@ def test_qk_prep_kernel_gate_from_x_matches_reference(t, dtype, monkeypatch):
     ref_cache_write(k, v, expect_k, expect_v, slots, *(s.cpu() for s in caches[2:]))
     assert torch.equal(_bits(caches[0].cpu()), _bits(expect_k))
     assert torch.equal(_bits(caches[1].cpu()), _bits(expect_v))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("dtype,kv_dtype", DTYPE_CASES)
+@pytest.mark.parametrize("kind,gate", [("sliding", "packed"), ("full", "from-x"),
+                                       ("sliding", "from-x")])
+def test_qk_prep_kernel_adds_split_partials(kind, gate, dtype, kv_dtype):
+    """qkvg as a split GEMM's FP32 partials (3 here; the GPU's batch-1 q/k/v takes 2) with
+    out_dtype: every output and cache row equals the op's on their in-order sum rounded to
+    out_dtype, bit for bit; the reference op agrees."""
+    t, hq, hkv, d, h, bs = 5, 6, 2, 32, 48, 5
+    gen = torch.Generator().manual_seed(11)
+    width = hq * d + 2 * hkv * d + (hq if gate == "packed" else 0)
+    parts = torch.randn(3, t, width, generator=gen) * 0.9  # three K slices of O(1) outputs
+    summed = (parts[0] + parts[1] + parts[2]).to(dtype)
+    _, positions, qw, kw = _qkvg_case(t, hq, hkv, d, dtype, seed=12)
+    gate_args = ()
+    if gate == "from-x":
+        gate_args = ((torch.randn(t, h, generator=gen) * 2).to(dtype),
+                     (torch.randn(hq, h, generator=gen) * h**-0.5).to(dtype))
+    slots = torch.randperm(7 * bs, generator=gen)[:t]
+    rest = (kind == "full", EPS, THETA, 2048.0, 0.1)
+    dev = KERNEL_DEVICE
+    on_dev = [a.to(dev) for a in (positions, qw, kw)]
+    outs = []
+    for qkvg, extra in ((summed, {}), (parts, {"out_dtype": dtype})):
+        caches = _caches(7, bs, hkv, d, kv_dtype, dev)
+        got = torch.ops.beam.qk_prep(qkvg.to(dev), *on_dev, caches[0], caches[1],
+                                     slots.to(dev), *caches[2:], *rest,
+                                     *(a.to(dev) for a in gate_args), **extra)
+        outs.append([o.cpu() for o in (*got, caches[0], caches[1])])
+    for got, want in zip(outs[1], outs[0]):
+        assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
+    ref_caches = _caches(7, bs, hkv, d, kv_dtype)
+    want = ref_qk_prep(parts, positions, qw, kw, ref_caches[0], ref_caches[1], slots,
+                       *ref_caches[2:], *rest, *gate_args, out_dtype=dtype)
+    torch.testing.assert_close(outs[1][0], want[0], **tol("qk-prep", dtype))
+    assert torch.equal(outs[1][2], want[2])  # v: the rounded sum, copied through
+
+
+def test_qk_prep_refuses_partials_without_out_dtype():
+    parts = torch.randn(2, 3, 6 * 32 + 2 * 2 * 32 + 6)
+    k_cache, v_cache, ks, vs = _caches(4, 4, 2, 32, torch.float32)
+    w = torch.ones(32)
+    with pytest.raises(PluginError, match="needs out_dtype"):
+        torch.ops.beam.qk_prep(parts, torch.arange(3), w, w, k_cache, v_cache,
+                               torch.arange(3), ks, vs, False, EPS, THETA, 2048.0, 0.1)
