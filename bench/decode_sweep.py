@@ -2,7 +2,7 @@
 experimental chunked add_rmsnorm for the 16K-token prefill boundary.
 
     PYTHONPATH=. python3 bench/decode_sweep.py
-        [--only attn,linear,linear_nvfp4,linear_split,norm1,norm16k]
+        [--only attn,linear,linear_nvfp4,linear_split[3|4],norm1,norm16k]
         [--out DIR]
 
 - attn: decode attention at batch 1 on a sliding layer's 512-slot ring and on a full layer's
@@ -13,8 +13,8 @@ experimental chunked add_rmsnorm for the 16K-token prefill boundary.
 - linear / linear_nvfp4: linear_fp8's (FP8 codes in) / linear_nvfp4's swap-AB Triton GEMM at
   M = 1 on q/k/v [8192 x 5120] and o_proj [5120 x 6144] over tile shapes, warps (16/32-row
   tiles on one or two warps run mma.sync) and depths (the default is `_tiles.linear_config`);
-  linear_split: linear_fp8 split in two over K (split_k=2: two FP32 partial sums, which the
-  engine's next add_rmsnorm adds);
+  linear_split (linear_split3, linear_split4): linear_fp8 split in two (three, four) over K
+  (split_k: FP32 partial sums, which the engine's qk_prep / add_rmsnorm add);
 - norm1: add_rmsnorm and add_rmsnorm_fp8 at one token (graph replays), over warps;
 - norm16k: add_rmsnorm [16384, 5120] (bytes: read h, y; write h', x) with the shipped kernel
   and a chunked variant that walks each row in 1024-channel chunks (no idle lanes for
@@ -247,7 +247,9 @@ def main() -> None:
     sweeps = {"attn": sweep_attn, "linear": sweep_linear, "norm1": sweep_norm1,
               "norm16k": sweep_norm16k,
               "linear_nvfp4": lambda cfg, ceil: sweep_linear(cfg, ceil, "nvfp4"),
-              "linear_split": lambda cfg, ceil: sweep_linear(cfg, ceil, "fp8", split=2)}
+              "linear_split": lambda cfg, ceil: sweep_linear(cfg, ceil, "fp8", split=2),
+              "linear_split3": lambda cfg, ceil: sweep_linear(cfg, ceil, "fp8", split=3),
+              "linear_split4": lambda cfg, ceil: sweep_linear(cfg, ceil, "fp8", split=4)}
     results = {}
     for name in args.only.split(","):
         results |= sweeps[name](cfg, ceil)
