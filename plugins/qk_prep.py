@@ -104,8 +104,9 @@ _INV_FREQ: dict[tuple, torch.Tensor] = {}
 
 def rope_inv_freq(theta: float, head_dim: int, device: torch.device) -> torch.Tensor:
     """theta^(-2i/D) for i < D/2 in float64, computed as `reference.rope_cos_sin` computes it,
-    on `device` (cached: made once, by device ops, so even a first call inside a CUDA-graph
-    capture works)."""
+    on `device`, cached. Made by device ops, so a first call inside a CUDA-graph capture still
+    works, but its two small kernels then replay with the graph: callers make it before
+    capturing (the engine at load)."""
     key = (float(theta), head_dim, str(device))
     if key not in _INV_FREQ:
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)

@@ -95,9 +95,13 @@ class BeamModel:
         self.cfg, self.kv = cfg, kv
         self.ops = _ops()
         from plugins._common import sm_count
+        from plugins.qk_prep import rope_inv_freq
 
         device = weights["model.embed_tokens.weight"].device
         self.sm_count = sm_count(device) if device.type == "cuda" else None
+        # qk_prep's RoPE table, made now: made by a first call inside a CUDA-graph capture, its
+        # two small kernels would be part of every replay
+        rope_inv_freq(cfg.rope_theta, cfg.head_dim, device)
         take = _Taker(weights)
         self.embed = take("model.embed_tokens.weight")
         self.layers = [self._layer(take, layer_plan.get(f"layer{i}", {}), i)
