@@ -90,8 +90,8 @@ def cases(cfg):
                 return torch.ops.beam.qk_prep(qkvg, pos, w, w, k_cache, v_cache, slots, scale,
                                               scale, full, eps, cfg.rope_theta, cfg.ssmax_base,
                                               cfg.ssmax_exponent, *extra)
-            name = f"qk_prep {'full' if full else 'sliding'}, {'packed gate' if packed else 'gate from x'}"
-            yield name, run
+            gate_kind = "packed gate" if packed else "gate from x"
+            yield f"qk_prep {'full' if full else 'sliding'}, {gate_kind}", run
 
     hs = torch.randn(1, h, device=DEV, dtype=BF16)
     wn = 1 + 0.1 * torch.randn(h, device=DEV, dtype=BF16)

@@ -246,7 +246,8 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
                     ks_ptr, vs_ptr, x_ptr, wg_ptr, q_ptr, k_ptr, v_ptr, g_ptr, T, H, stride_t,
                     stride_s, stride_x, block_size, stride_blk, stride_row, stride_head, eps,
                     two_pi_hi, two_pi_lo, inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
-                    exp_hi, exp_lo, PARTIALS: tl.constexpr, IS_FULL: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                    exp_hi, exp_lo, PARTIALS: tl.constexpr, IS_FULL: tl.constexpr,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                     QH: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                     BLOCK_D2: tl.constexpr, GATE_X: tl.constexpr, GATE_T: tl.constexpr,
                     GATE_G: tl.constexpr, GATE_K: tl.constexpr, GATE_DOT: tl.constexpr,
@@ -289,9 +290,11 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
 # The gate GEMM x [T, H] · g_weight^T [H, Hq] (Hq = 48 for Beam). Up to `fma_tokens` tokens:
 # FP32 FMAs, one head a program over all of H in one load (up to `fma_elems` elements of x a
 # program), so a batch-1 step reads the 0.5 MB weight over Hq programs with no serial K loop
-# (two heads and five 1024-wide steps made qk_prep 5.8 us on the H200, 2026-11-29). More: tensor-core tiles of up to `tile_tokens`
-# tokens, 16 heads wide up to `narrow_tokens` tokens (more programs), the whole (padded) head
-# dim beyond (the weight is then read once per token tile). Not tuned on a GPU yet.
+# (two heads and five 1024-wide steps made qk_prep 5.8 us on the H200, 2026-11-29; the gate
+# programs now add nothing measurable to a batch-1 qk_prep, bench/decode_chain_probe.py). More:
+# tensor-core tiles of up to `tile_tokens` tokens, 16 heads wide up to `narrow_tokens` tokens
+# (more programs), the whole (padded) head dim beyond (the weight is then read once per token
+# tile). Not tuned on a GPU yet.
 GATE_CONFIG = dict(fma_tokens=4, fma_elems=8192, narrow_tokens=256, tile_tokens=64)
 
 
