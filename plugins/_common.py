@@ -197,6 +197,37 @@ def cast_rne(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
+def sum_partials(y: torch.Tensor, dtype: torch.dtype,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, N], or a split GEMM's partials [S, T, N] summed in order (or an MoE's per-slot
+    outputs weighted by weights [T, S], from 0) and rounded to dtype. The references of the
+    ops that take partials (add_rmsnorm, qk_prep); `summed_partials` is the kernels' twin."""
+    if y.dim() == 2:
+        return y
+    if weights is None:
+        total = y[0]
+        for part in y[1:]:
+            total = total + part
+        return total.to(dtype)
+    total = torch.zeros(y.shape[1:], dtype=torch.float32, device=y.device)
+    for s, part in enumerate(y):
+        total = total + part.float() * weights[:, s:s + 1]
+    return total.to(dtype)
+
+
+@triton.jit
+def summed_partials(ptrs, mask, stride_s, PARTIALS: tl.constexpr, dtype: tl.constexpr):
+    """FP32 values at ptrs: as they are (PARTIALS = 0), or PARTIALS FP32 partial sums (a split
+    GEMM's, stride_s apart) added in order and rounded to dtype, as the unsplit GEMM's output
+    would be (`sum_partials` in a kernel)."""
+    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, PARTIALS):
+        v += tl.load(ptrs + part * stride_s, mask=mask, other=0.0).to(tl.float32)
+    if PARTIALS > 0:
+        v = cast_rne(v, dtype).to(tl.float32)
+    return v
+
+
 @triton.jit
 def rows_times_weights(x_ptr, stride_x, w_ptr, stride_w, t, e, k_lo, k_hi, T, E,
                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -32,29 +32,13 @@ import triton.language as tl
 
 from beam_trtllm.reference import residual_add, rms_norm
 
-from ._common import FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2
+from ._common import (FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2,
+                      sum_partials, summed_partials)
 from ._fp8_act import fp8_codes, load_fp8_scale
 from .registry import dispatch, register
 from .rmsnorm import row_launch_params
 
 OP = "add_rmsnorm"
-
-
-def sum_partials(y: torch.Tensor, dtype: torch.dtype,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
-    """y [T, H], or its partials [S, T, H] summed in order (weighted by weights [T, S] from 0)
-    and rounded to dtype."""
-    if y.dim() == 2:
-        return y
-    if weights is None:
-        total = y[0]
-        for part in y[1:]:
-            total = total + part
-        return total.to(dtype)
-    total = torch.zeros(y.shape[1:], dtype=torch.float32, device=y.device)
-    for s, part in enumerate(y):
-        total = total + part.float() * weights[:, s:s + 1]
-    return total.to(dtype)
 
 
 def adds_partials(t: int) -> bool:
@@ -115,13 +99,9 @@ def _add_rmsnorm_kernel(h_ptr, y_ptr, yw_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
                 w = tl.load(yw_ptr + rows * stride_yw + part, mask=rows < T, other=0.0)
                 y += tl.load(y_ptr + part * stride_ys + rows * stride_y + cols, mask=mask,
                              other=0.0).to(tl.float32) * w
-        else:
-            y = tl.load(y_ptr + rows * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-            for part in tl.static_range(1, PARTIALS):
-                y += tl.load(y_ptr + part * stride_ys + rows * stride_y + cols, mask=mask,
-                             other=0.0).to(tl.float32)
-        if PARTIALS > 0:
             y = cast_rne(y, dtype).to(tl.float32)
+        else:
+            y = summed_partials(y_ptr + rows * stride_y + cols, mask, stride_ys, PARTIALS, dtype)
         y_dtype: tl.constexpr = dtype if PARTIALS > 0 else y_ptr.dtype.element_ty
         inv_rms_y = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=1) / H + eps)
         h_new = _residual(h, y, inv_rms_y[:, None], w_post, a, b, y_dtype, dtype)

@@ -26,16 +26,14 @@ Contract: returns four new tensors and mutates k_cache / v_cache (only the slots
 One launch: per token, one program per 16 query heads and one for k, v and the cache rows;
 the gate GEMM's tiles are further programs of the same grid.
 Matches `reference.BeamAttention.project` (rms_norm, apply_rope, ssmax_scale). RoPE angles and
-the SSMax scale are computed in float64 like the reference, so they stay exact at 1M
+the SSMax scale are computed in float64 like the reference (`_rope.py`), so they stay exact at 1M
 positions (the angle is reduced to [-pi, pi] in float64 before an FP32 cos/sin). CUDA-graph safe.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -46,8 +44,8 @@ from beam_trtllm.reference import apply_rope, rms_norm, ssmax_scale
 from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix, for the gate tiles)
 from ._attention_tiles import dot_precision
 from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2,
-                      rows_times_weights)
-from .add_rmsnorm import sum_partials
+                      rows_times_weights, sum_partials, summed_partials)
+from ._rope import rope_inv_freq, rotation, rotation_constants
 from .cache_write import check_slots, ref_cache_write, store_cache_rows
 from .registry import dispatch, register
 
@@ -93,32 +91,6 @@ def ref_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_cache,
     return q, k, v, gate
 
 
-def f64_pair(x: float) -> tuple[float, float]:
-    """x as hi + lo, both exact in FP32: kernel float arguments are FP32, the math is FP64."""
-    hi = float(np.float32(x))
-    return hi, float(np.float32(x - hi))
-
-
-_INV_FREQ: dict[tuple, torch.Tensor] = {}
-
-
-def rope_inv_freq(theta: float, head_dim: int, device: torch.device) -> torch.Tensor:
-    """theta^(-2i/D) for i < D/2 in float64, computed as `reference.rope_cos_sin` computes it,
-    on `device`, cached. Made by device ops, so a first call inside a CUDA-graph capture still
-    works, but its two small kernels then replay with the graph: callers make it before
-    capturing (the engine at load)."""
-    key = (float(theta), head_dim, str(device))
-    if key not in _INV_FREQ:
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
-        _INV_FREQ[key] = theta ** (-exponents / head_dim)
-    return _INV_FREQ[key]
-
-
-@triton.jit
-def _f64(pair_hi, pair_lo):
-    return tl.cast(pair_hi, tl.float64) + tl.cast(pair_lo, tl.float64)
-
-
 @triton.jit
 def _rms_halves(x1, x2, w1, w2, eps, D: tl.constexpr, dtype: tl.constexpr):
     """Per-row RMSNorm of a head held as its two halves [rows, D/2]; rounded to dtype."""
@@ -126,46 +98,6 @@ def _rms_halves(x1, x2, w1, w2, eps, D: tl.constexpr, dtype: tl.constexpr):
     inv = (1.0 / tl.sqrt_rn(ms + eps))[:, None]
     y1 = cast_rne(x1 * inv * w1, dtype).to(tl.float32)
     return y1, cast_rne(x2 * inv * w2, dtype).to(tl.float32)
-
-
-@triton.jit
-def _rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL: tl.constexpr, D: tl.constexpr, two_pi_hi,
-              two_pi_lo, inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo, exp_hi, exp_lo):
-    """(cos, sin) [1, BLOCK_D2] of token t's RoPE angles; on full layers (scale, 0), so that
-    `x1 * cos - x2 * sin` is exactly the SSMax-scaled x1."""
-    pos = tl.load(pos_ptr + t).to(tl.float64)
-    if IS_FULL:
-        ratio = pos * _f64(inv_base_hi, inv_base_lo)
-        scale = tl.exp(_f64(exp_hi, exp_lo) * tl.log(1.0 + ratio)).to(tl.float32)
-        cos = tl.zeros(d.shape, tl.float32) + scale
-        sin = tl.zeros(d.shape, tl.float32)
-    else:
-        # inv_freq_i = theta^(-2i/D) from the reference's own FP64 table (`rope_inv_freq`):
-        # every thread holds ~8-12 of the [heads, D/2] tile's angles, and an FP64 exp and
-        # division each made the sliding layers' qk_prep 2.2 us slower than the full ones'.
-        inv_freq = tl.load(inv_freq_ptr + d, mask=d < D // 2, other=0.0)
-        angle = pos * inv_freq
-        # Reduce to about [-pi, pi] in FP64 (any whole number of turns near angle / 2pi will
-        # do), then FP32 cos/sin (abs. error ~2e-7): FP64 cos/sin cost ~100 more registers
-        # per thread and spilled.
-        turns = (angle * _f64(inv_two_pi_hi, inv_two_pi_lo) + 0.5).to(tl.int64).to(tl.float64)
-        reduced = (angle - turns * _f64(two_pi_hi, two_pi_lo)).to(tl.float32)
-        cos = tl.cos(reduced)
-        sin = tl.sin(reduced)
-    return cos, sin
-
-
-@triton.jit
-def _row_values(ptrs, mask, stride_s, PARTIALS: tl.constexpr, dtype: tl.constexpr):
-    """FP32 values of the packed projection at ptrs: the row as it is (PARTIALS = 0), or its
-    PARTIALS FP32 partial sums (a split GEMM's, stride_s apart) added in order and rounded to
-    dtype, as the unsplit GEMM's output would be."""
-    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    for part in tl.static_range(1, PARTIALS):
-        v += tl.load(ptrs + part * stride_s, mask=mask, other=0.0)
-    if PARTIALS > 0:
-        v = cast_rne(v, dtype).to(tl.float32)
-    return v
 
 
 @triton.jit
@@ -178,8 +110,8 @@ def _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, stride_s, HQ: tl.cons
     qw2 = tl.load(qw_ptr + D2 + d, mask=d < D2, other=0.0).to(tl.float32)
     hq = part * QH + tl.arange(0, QH)[:, None]
     mq = (hq < HQ) & (d < D2)
-    q1 = _row_values(row + hq * D + d, mq, stride_s, PARTIALS, dtype)
-    q2 = _row_values(row + hq * D + D2 + d, mq, stride_s, PARTIALS, dtype)
+    q1 = summed_partials(row + hq * D + d, mq, stride_s, PARTIALS, dtype)
+    q2 = summed_partials(row + hq * D + D2 + d, mq, stride_s, PARTIALS, dtype)
     q1, q2 = _rms_halves(q1, q2, qw1, qw2, eps, D, dtype)
     out_q = q_ptr + t * HQ * D + hq * D + d
     tl.store(out_q, cast_rne(q1 * cos - q2 * sin, dtype), mask=mq)
@@ -197,8 +129,8 @@ def _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr
     dtype = k_ptr.dtype.element_ty
     hk = tl.arange(0, BLOCK_HKV)[:, None]
     mk = (hk < HKV) & (d < D2)
-    k1 = _row_values(row + HQ * D + hk * D + d, mk, stride_s, PARTIALS, dtype)
-    k2 = _row_values(row + HQ * D + hk * D + D2 + d, mk, stride_s, PARTIALS, dtype)
+    k1 = summed_partials(row + HQ * D + hk * D + d, mk, stride_s, PARTIALS, dtype)
+    k2 = summed_partials(row + HQ * D + hk * D + D2 + d, mk, stride_s, PARTIALS, dtype)
     kw1 = tl.load(kw_ptr + d, mask=d < D2, other=0.0).to(tl.float32)
     kw2 = tl.load(kw_ptr + D2 + d, mask=d < D2, other=0.0).to(tl.float32)
     k1, k2 = _rms_halves(k1, k2, kw1, kw2, eps, D, dtype)
@@ -211,7 +143,7 @@ def _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr
     tl.store(out_k + D2, k2.to(dtype), mask=mk)
     dv = tl.arange(0, 2 * BLOCK_D2)[None, :]  # v: copied through
     mv = (hk < HKV) & (dv < D)
-    v = _row_values(row + HQ * D + HKV * D + hk * D + dv, mv, stride_s, PARTIALS, dtype)
+    v = summed_partials(row + HQ * D + HKV * D + hk * D + dv, mv, stride_s, PARTIALS, dtype)
     tl.store(v_ptr + t * HKV * D + hk * D + dv, v.to(dtype), mask=mv)
     # cache rows: the rounded k as returned, v as is
     slot = tl.load(slot_ptr + t)
@@ -265,13 +197,13 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
         # (each branch computes the angles itself: cos/sin live across the branch made ptxas
         # spill around libdevice's slow path of sinf/cosf)
         if part < PARTS - 1:
-            cos, sin = _rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
+            cos, sin = rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
                                  inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
                                  exp_hi, exp_lo)
             _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, stride_s, HQ, D, QH,
                     PARTIALS)
         else:
-            cos, sin = _rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
+            cos, sin = rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
                                  inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
                                  exp_hi, exp_lo)
             _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, t, d,
@@ -279,7 +211,7 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
                      IS_FULL, HQ, HKV, D, BLOCK_HKV, BLOCK_D2, PARTIALS)
             if not GATE_X:  # packed gate logits: FP32 sigmoid
                 hg = tl.arange(0, BLOCK_HQ)
-                g = _row_values(row + HQ * D + 2 * HKV * D + hg, hg < HQ, stride_s, PARTIALS,
+                g = summed_partials(row + HQ * D + 2 * HKV * D + hg, hg < HQ, stride_s, PARTIALS,
                                 q_ptr.dtype.element_ty)
                 tl.store(g_ptr + t * HQ + hg, 1.0 / (1.0 + tl.exp(-g)), mask=hg < HQ)
     elif GATE_X:
@@ -336,12 +268,11 @@ def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_ca
     _qk_prep_kernel[(grid,)](
         qkvg, positions, inv_freq, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
         k_scale, v_scale, x, g_weight, q, k, v, gate, t, x.shape[1], rows.stride(0),
-        qkvg.stride(0) if partials else 0, x.stride(0),
-        k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        *f64_pair(2 * math.pi), *f64_pair(1 / (2 * math.pi)), *f64_pair(1.0 / ssmax_base),
-        *f64_pair(ssmax_exponent), PARTIALS=partials, IS_FULL=is_full, HQ=hq, HKV=hkv, D=d, QH=qh,
-        BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv), BLOCK_D2=next_pow2(d // 2),
-        GATE_X=gate_x, DOT_PREC=dot_precision(dtype), num_warps=4, **gp)
+        qkvg.stride(0) if partials else 0, x.stride(0), k_cache.shape[1], k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), eps, *rotation_constants(ssmax_base, ssmax_exponent),
+        PARTIALS=partials, IS_FULL=is_full, HQ=hq, HKV=hkv, D=d, QH=qh, BLOCK_HQ=next_pow2(hq),
+        BLOCK_HKV=next_pow2(hkv), BLOCK_D2=next_pow2(d // 2), GATE_X=gate_x,
+        DOT_PREC=dot_precision(dtype), num_warps=4, **gp)
     return q, k, v, gate
 
 

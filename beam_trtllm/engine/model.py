@@ -95,7 +95,7 @@ class BeamModel:
         self.cfg, self.kv = cfg, kv
         self.ops = _ops()
         from plugins._common import sm_count
-        from plugins.qk_prep import rope_inv_freq
+        from plugins._rope import rope_inv_freq
 
         device = weights["model.embed_tokens.weight"].device
         self.sm_count = sm_count(device) if device.type == "cuda" else None
