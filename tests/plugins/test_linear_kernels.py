@@ -11,7 +11,7 @@ from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE, on_cpu
 from plugins import linear_fp8, linear_fp8_block, linear_nvfp4
-from plugins.add_rmsnorm import sum_partials
+from plugins._common import sum_partials
 
 pytestmark = pytest.mark.kernel
 

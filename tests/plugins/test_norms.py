@@ -203,7 +203,7 @@ def test_add_rmsnorm_adds_fp32_partials_of_y(t, splits):
     """y given as FP32 partial sums [S, T, H] (linear_fp8's split_k output): the kernels (and
     the reference) give bit for bit what they give for y = the partials' sum in order, rounded
     to h's dtype; a y of the wrong width is refused with its shape."""
-    from plugins.add_rmsnorm import sum_partials
+    from plugins._common import sum_partials
 
     h = _rows(t, 200, torch.bfloat16, 21)
     parts = torch.stack([_rows(t, 200, torch.float32, 22 + s, scale=3.0) for s in range(splits)])
@@ -232,7 +232,7 @@ def test_add_rmsnorm_combines_weighted_per_slot_outputs(t):
     the reference combine (the reference op); a y_weights of the wrong shape or with a plain y
     is refused."""
     from plugins._moe_common import combine
-    from plugins.add_rmsnorm import sum_partials
+    from plugins._common import sum_partials
 
     k, hid = 4, 200
     h = _rows(t, hid, torch.bfloat16, 31)
