@@ -39,6 +39,12 @@ def main():
     opts = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     opts.add_argument("--once", help="bn,bk,warps,stages: three plain moe calls (for ncu)")
     opts.add_argument("--tokens", type=int, default=1, help="decode batch (<= 64)")
+    opts.add_argument("--shapes", help="bm,bn,bk,warps,stages[;...]: these shapes instead of "
+                      "the built-in list")
+    opts.add_argument("--hot", action="store_true",
+                      help="also each shape with all 8 experts reading expert 0's bytes "
+                      "(L2-resident): the decode's time without its HBM reads")
+    opts.add_argument("--no-linear", action="store_true", help="skip linear_nvfp4")
     opts.add_argument("--split-probe", action="store_true",
                       help="what split-K would buy: each GEMM over half of K on twice the pairs")
     opts = opts.parse_args()
@@ -59,9 +65,24 @@ def main():
     floor = km.expert_bytes(packed, ids) / copy * 1e6
     print(f"moe_nvfp4 T={opts.tokens}: floor {floor:.1f} us")
     row("moe default", lambda: moe_nvfp4.moe_nvfp4_triton(*args), want, floor)
-    for c in SHAPES:
-        row(f"moe both {c.block_m}x{c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
-            lambda: moe_nvfp4.moe_nvfp4_triton(*args, config13=c, config2=c), want, floor)
+    pairs = [(c, c) for c in SHAPES]
+    if opts.shapes:  # "gate/up shape|down shape" or one shape for both
+        pairs = [tuple(GemmConfig(*map(int, one.split(",")), swap=True)
+                       for one in (spec.split("|") * 2)[:2]) for spec in opts.shapes.split(";")]
+    shapes = [c13 for c13, _ in pairs]
+    name = lambda c: f"{c.block_m}x{c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s"  # noqa: E731
+    for c13, c2 in pairs:
+        row(f"moe {name(c13)} | {name(c2)}",
+            lambda: moe_nvfp4.moe_nvfp4_triton(*args, config13=c13, config2=c2), want, floor)
+        if opts.hot:
+            hot = tuple(one_expert(a) if a.dim() == 3 else a for a in args)
+            checks = moe_nvfp4.check_moe_nvfp4  # (stride-0 views are not contiguous)
+            moe_nvfp4.check_moe_nvfp4 = lambda *a: (cfg.n_routed_experts, cfg.moe_intermediate_size)
+            us = time_graph_us(lambda: moe_nvfp4.moe_nvfp4_triton(*hot, config13=c13, config2=c2))
+            moe_nvfp4.check_moe_nvfp4 = checks
+            print(f"{'  same, weights L2-resident (one expert)':40s} {us:8.1f} us", flush=True)
+    if opts.no_linear:
+        return
     n, k = 8240, cfg.hidden_size  # q/k/v + gate
     largs = linear_args("nvfp4", x.cpu(), n=n, seed=2)
     largs = tuple(a.cuda() for a in largs)
@@ -69,9 +90,15 @@ def main():
     floor = sum(a.numel() * a.element_size() for a in largs[1:]) / copy * 1e6
     print(f"linear_nvfp4 M={opts.tokens} [{k} -> {n}]: floor {floor:.1f} us")
     row("linear default", lambda: linear_nvfp4.linear_nvfp4_triton(*largs), want, floor)
-    for c in SHAPES:
-        row(f"linear {c.block_m}x{c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s",
+    for c in shapes:
+        row(f"linear {name(c)}",
             lambda: linear_nvfp4.linear_nvfp4_triton(*largs, config=c), want, floor)
+
+
+def one_expert(t):
+    """[E, rows, cols] -> the same shape with every expert reading expert 0's bytes (stride
+    0): the 8 selected experts' 177 MB shrink to one expert's 22 MB, L2-resident."""
+    return t.as_strided(t.shape, (0, t.stride(1), 1))
 
 
 def split_probe(cfg, packed, x):

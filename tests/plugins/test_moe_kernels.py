@@ -104,10 +104,12 @@ def test_fp8_codes_input_is_the_same_moe(dtype, t, direct):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,direct", [(3, True), (17, False)])
-def test_nvfp4_whole_k_tiles(dtype, t, direct):
-    """H and I multiples of the 128-deep K tile: the unmasked K loop (scales in the pipelined
-    copies) and, on a GPU in BF16, the code-pair decode into the MMA's registers."""
-    args = _case("nvfp4", dtype, t, seed=t + 2, experts=6, shape=(256, 128))
+@pytest.mark.parametrize("inner", [128, 48])
+def test_nvfp4_whole_k_tiles(dtype, t, direct, inner):
+    """H (and I = 128) multiples of the 128-deep K tile: the unmasked K loop (scales in the
+    pipelined copies; I = 48: gate/up's second 32-row weight block half empty), and on a GPU in
+    BF16 the code-pair decode into the MMA's registers."""
+    args = _case("nvfp4", dtype, t, seed=t + 2, experts=6, shape=(256, inner))
     out = moe_nvfp4.moe_nvfp4_triton(*args, direct=direct)
     torch.testing.assert_close(out.cpu(), moe_nvfp4.ref_moe_nvfp4(*on_cpu(args)),
                                **_tolerance("nvfp4", dtype))
