@@ -8,10 +8,12 @@ them together: no decode, no MMA. Against the copy ceiling of the same run and t
 pattern alone costs. Also the same bytes stored tile by tile (each program's K step one
 contiguous block), the layout a build-time repack could write.
 
-    PYTHONPATH=.:bench python3 bench/nvfp4_read_probe.py
+    PYTHONPATH=.:bench python3 bench/nvfp4_read_probe.py [--fp8]   # --fp8: moe_fp8's bytes
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import triton
@@ -76,50 +78,60 @@ def read_us(words, rows, k_words, gated, tiled, block_n, block_kw, warps, stages
     return time_graph_us(fn)
 
 
+# (BLOCK_N, words a row a step, warps, stages): the NVFP4 decode's shapes and neighbours; FP8:
+# moe_fp8's decode shape (64 rows x 128 bytes, 4 warps, 4 stages) and neighbours
+SHAPES = {"nvfp4": ((32, 16, 2, 3), (32, 16, 2, 4), (32, 32, 2, 3), (32, 64, 2, 3),
+                    (64, 16, 4, 3), (16, 32, 1, 3)),
+          "fp8": ((64, 32, 4, 4), (64, 32, 4, 6), (64, 64, 4, 4), (32, 32, 2, 4),
+                  (32, 64, 2, 4))}
+
+
+def table_row(label, layout, words, us, block_n, block_kw, warps, stages, copy):
+    gbs = words.numel() * 4 / us / 1e3
+    print(f"| {label} | {layout} | {block_n} x {block_kw * 4} B | {warps} | {stages} | "
+          f"{us:.1f} | {gbs:.0f} | {100 * gbs / copy:.1f}% |", flush=True)
+
+
 def main():
+    fmt = "fp8" if "--fp8" in sys.argv else "nvfp4"
+    per_word = 4 if fmt == "fp8" else 8  # weights a 32-bit word
     n = 1 << 29  # 1 GiB of BF16 each way
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy = 2 * n * 2 / time_us(lambda: dst.copy_(src)) / 1e3  # GB/s
     del src, dst
-    # gate/up: 8 experts x I rows (their up rows I further), H/8 words a row; down: 8 x H rows
-    gate_up = torch.randint(-2**31, 2**31 - 1, (EXPERTS * 2 * INTER * HIDDEN // 8,),
+    # gate/up: 8 experts x I rows (their up rows I further), H weights a row; down: 8 x H rows
+    gate_up = torch.randint(-2**31, 2**31 - 1, (EXPERTS * 2 * INTER * HIDDEN // per_word,),
                             dtype=torch.int32, device="cuda")
-    down = torch.randint(-2**31, 2**31 - 1, (EXPERTS * HIDDEN * INTER // 8,), dtype=torch.int32,
-                         device="cuda")
-    print(f"copy ceiling {copy:.0f} GB/s; gate/up {gate_up.numel() * 4 / 1e6:.1f} MB "
+    down = torch.randint(-2**31, 2**31 - 1, (EXPERTS * HIDDEN * INTER // per_word,),
+                         dtype=torch.int32, device="cuda")
+    print(f"{fmt}: copy ceiling {copy:.0f} GB/s; gate/up {gate_up.numel() * 4 / 1e6:.1f} MB "
           f"(floor {gate_up.numel() * 4 / copy / 1e3:.1f} us), down {down.numel() * 4 / 1e6:.1f}"
           f" MB (floor {down.numel() * 4 / copy / 1e3:.1f} us)", flush=True)
     print("| GEMM | layout | rows x bytes a step | warps | stages | us | GB/s | % copy |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, words, rows, k_words, gated in (
-            ("gate/up", gate_up, EXPERTS * INTER, HIDDEN // 8, True),
-            ("down", down, EXPERTS * HIDDEN, INTER // 8, False)):
+            ("gate/up", gate_up, EXPERTS * INTER, HIDDEN // per_word, True),
+            ("down", down, EXPERTS * HIDDEN, INTER // per_word, False)):
         for tiled in (False, True):
-            for block_n, block_kw, warps, stages in ((32, 16, 2, 3), (32, 16, 2, 4),
-                                                     (32, 32, 2, 3), (32, 64, 2, 3),
-                                                     (64, 16, 4, 3), (16, 32, 1, 3)):
+            for block_n, block_kw, warps, stages in SHAPES[fmt]:
                 # tiled gate/up: each program's gate and up blocks stored one after the other
                 us = read_us(words, rows * (1 + (gated and tiled)), k_words, gated and not tiled,
                              tiled, block_n, block_kw, warps, stages)
-                gbs = words.numel() * 4 / us / 1e3
-                print(f"| {name} | {'tiled' if tiled else 'rows'} | {block_n} x "
-                      f"{block_kw * 4} B | {warps} | {stages} | {us:.1f} | {gbs:.0f} | "
-                      f"{100 * gbs / copy:.1f}% |", flush=True)
+                table_row(name, "tiled" if tiled else "rows", words, us, block_n, block_kw,
+                          warps, stages, copy)
     # what makes gate/up's row-major reads slow: the row pitch, or the two distant row sets?
     rows = EXPERTS * INTER
     for label, kwargs in (
-            ("gate/up buffer as one row set (2560 B rows)", dict(rows=2 * rows, gated=False)),
-            ("gate/up, up rows after each 32 gate rows", dict(rows=rows, gated=True,
-                                                               interleaved=True)),
+            ("gate/up buffer as one row set", dict(rows=2 * rows, gated=False)),
+            ("gate/up, up rows after each block of gate rows", dict(rows=rows, gated=True,
+                                                                     interleaved=True)),
             ("gate/up, gate and up rows as one load", dict(rows=rows, gated=True,
                                                             one_load=True))):
-        for block_n, block_kw, warps, stages in ((32, 16, 2, 3), (32, 32, 2, 3)):
-            us = read_us(gate_up, k_words=HIDDEN // 8, tiled=False, block_n=block_n,
+        for block_n, block_kw, warps, stages in SHAPES[fmt][:3]:
+            us = read_us(gate_up, k_words=HIDDEN // per_word, tiled=False, block_n=block_n,
                          block_kw=block_kw, warps=warps, stages=stages, **kwargs)
-            gbs = gate_up.numel() * 4 / us / 1e3
-            print(f"| {label} | rows | {block_n} x {block_kw * 4} B | {warps} | {stages} | "
-                  f"{us:.1f} | {gbs:.0f} | {100 * gbs / copy:.1f}% |", flush=True)
+            table_row(label, "rows", gate_up, us, block_n, block_kw, warps, stages, copy)
 
 
 if __name__ == "__main__":
