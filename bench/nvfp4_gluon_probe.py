@@ -12,8 +12,12 @@ straight from global memory into the registers that `mma.sync` wants:
   (and the code-pair decoder of plugins/_tiles.py applies): word p = 4c + kb, code pair
   (q, q + 4) with q = 2h + m lands at logical k = 32 kb + 16 h + 8 m + 2 c (+1). The
   activations take the same order: thread c reads x[32 c .. 32 c + 32) of the step.
-* Next step's words, scales and activations are loaded into registers before this step's decode
-  (one step of software prefetch); no shared memory, no barriers.
+* The words, scales and activations of the step 2 (or 3) ahead are loaded into registers
+  while a step decodes (software prefetch); no shared memory, no barriers.
+
+H200 (docs/BENCHMARKS.md, session 9 run J): correct, but 109.6 us against the shipped kernel's
+85.6: the register prefetch does not hide the global loads as the pipelined shared-memory
+copies do, and the per-step activation permutes cost ALU time.
 
     PYTHONPATH=.:bench python3 bench/nvfp4_gluon_probe.py [--once]   # H200: time + check
 """
@@ -57,17 +61,17 @@ def layouts(num_warps: int, rows: int) -> dict:
     def rows_then(rest, bases):  # row part first, then the other dims' offsets
         return [b + [0] * rest for b in bases]
 
-    def others(n, bases):  # offsets along the non-row dims
+    def others(bases):  # offsets along the non-row dims
         return [[0] + b for b in bases]
-    decode = _lin(others(4, [[0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]])
+    decode = _lin(others([[0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]])
                   + rows_then(4, row_reg),
-                  others(4, [[1, 0, 0, 0], [2, 0, 0, 0]]) + rows_then(4, row_lane),
+                  others([[1, 0, 0, 0], [2, 0, 0, 0]]) + rows_then(4, row_lane),
                   rows_then(4, row_warp), [rows, 4, 2, 2, 4])
-    words = _lin(others(1, [[1], [2]]) + rows_then(1, row_reg),
-                 others(1, [[4], [8]]) + rows_then(1, row_lane), rows_then(1, row_warp),
+    words = _lin(others([[1], [2]]) + rows_then(1, row_reg),
+                 others([[4], [8]]) + rows_then(1, row_lane), rows_then(1, row_warp),
                  [rows, 16])
-    scales = _lin(others(1, [[1]]) + rows_then(1, row_reg),
-                  others(1, [[2], [4]]) + rows_then(1, row_lane), rows_then(1, row_warp),
+    scales = _lin(others([[1]]) + rows_then(1, row_reg),
+                  others([[2], [4]]) + rows_then(1, row_lane), rows_then(1, row_warp),
                   [rows, 8])
     x = _lin([[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
              [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], [[0, 0]] * warp_bits, [TOKENS, 128])
@@ -251,7 +255,8 @@ def main():
         torch.cuda.synchronize()
         return
     ours = moe_nvfp4.moe_nvfp4_triton(*args)
-    print(f"moe_nvfp4 T=1: floor {floor:.1f} us; shipped {time_graph_us(lambda: moe_nvfp4.moe_nvfp4_triton(*args)):.1f} us "
+    shipped = time_graph_us(lambda: moe_nvfp4.moe_nvfp4_triton(*args))
+    print(f"moe_nvfp4 T=1: floor {floor:.1f} us; shipped {shipped:.1f} us "
           f"(rel {((ours.float() - want).norm() / want.norm()).item():.1e})", flush=True)
     for num_warps, rows, ahead in ((2, 32, 2), (2, 32, 3), (1, 16, 3), (4, 64, 3)):
         def run():
