@@ -12,15 +12,16 @@ is explicit, chosen so that each thread holds exactly what `mma.sync` wants of i
   (and the code-pair decoder of plugins/_tiles.py applies): word p = 4c + kb, code pair
   (q, q + 4) with q = 2h + m lands at logical k = 32 kb + 16 h + 8 m + 2 c (+1). The
   activations take the same order: thread c reads x[32 c .. 32 c + 32) of the step.
-* Words, block-scale words and activations go through a ring of shared-memory stages by
-  asynchronous copies, each thread copying exactly the bytes it later reads in the layout
-  above; the activations are pre-permuted (x by `permuted_activations`, h by the gate/up
+* Words and block-scale words go through a ring of shared-memory stages by asynchronous
+  copies, each thread copying exactly the bytes it later reads in the layout above; the
+  activations (L1-resident) are loaded into registers one step ahead, pre-permuted (x by `permuted_activations`, h by the gate/up
   kernel's store) so that the B operand needs no byte shuffles.
 
 H200 (docs/BENCHMARKS.md, session 9 runs J, K): correct (rel 8.6e-4), but slower than the
 shipped Triton kernel (85 us): a first version that prefetched into registers instead of shared
-memory took 110 us (global-load latency; commit 09c5ee0); this one 143-161 us (its shared-memory reads queue
-on the MIO pipe; one compiler-inserted barrier a step). Kept as the starting point of an
+memory took 110 us (global-load latency; commit 09c5ee0); with everything in shared memory
+143-161 us (reads queued on the MIO pipe; one compiler-inserted barrier a step); this one
+134 us. Kept as the starting point of an
 explicit-layout decode: the layouts and the decode are right, the staging is not yet.
 
     PYTHONPATH=.:bench python3 bench/nvfp4_gluon_probe.py [--once]   # H200: time + check
@@ -155,13 +156,11 @@ def _activations(x, B_OP: gl.constexpr):
 
 
 @gluon.jit
-def _copy_step(slot, k, x_ptrs, x_ok, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, bufs,
-               GATED: gl.constexpr):
+def _copy_step(slot, k, wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, bufs, GATED: gl.constexpr):
     """Start the asynchronous copies of the K step at k into stage `slot` (each thread copies
     exactly what it reads back later: no barrier)."""
-    sx, swg, ssg, swu, ssu = bufs
+    swg, ssg, swu, ssu = bufs
     k = gl.multiple_of(k, 128)
-    async_copy_global_to_shared(sx.index(slot), x_ptrs + k, mask=x_ok)
     async_copy_global_to_shared(swg.index(slot), wg_ptrs + k // 8)
     async_copy_global_to_shared(ssg.index(slot), sg_ptrs + k // 64)
     if GATED:
@@ -193,7 +192,6 @@ def _gemm_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, N, K, x_rows_per
     sg_ptrs = _scale_ptrs(s_gate, ROWS, stride_sn, LS)
     wu_ptrs = wg_ptrs + N * stride_wn
     su_ptrs = sg_ptrs + N * stride_sn
-    sx = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8, 128], SMEM)
     swg = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], SMEM)
     ssg = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 4], SMEM)
     swu = swg
@@ -201,21 +199,27 @@ def _gemm_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, s2_ptr, out_ptr, N, K, x_rows_per
     if GATED:
         swu = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 16], SMEM)
         ssu = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, 4], SMEM)
-    bufs = (sx, swg, ssg, swu, ssu)
+    bufs = (swg, ssg, swu, ssu)
     S3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, LD))
     for i in gl.static_range(STAGES - 1):
-        _copy_step(i, gl.minimum(i * 128, K - 128), x_ptrs, x_ok, wg_ptrs, sg_ptrs, wu_ptrs,
-                   su_ptrs, bufs, GATED)
+        _copy_step(i, gl.minimum(i * 128, K - 128), wg_ptrs, sg_ptrs, wu_ptrs, su_ptrs, bufs,
+                   GATED)
     acc = gl.zeros([ROWS, 8], gl.float32, MMA)
     acc_up = gl.zeros([ROWS, 8], gl.float32, MMA)
     steps = K // 128
+    # the activations (the same few KB for every program: L1-resident) straight from global
+    # memory into registers, one step ahead
+    xs = gl.load(x_ptrs, mask=x_ok, other=0.0, cache_modifier=".ca")
     for i in range(steps):
         ahead = i + STAGES - 1  # (past the last step: the last one again, an L2 hit)
-        _copy_step(ahead % STAGES, gl.minimum(ahead * 128, K - 128), x_ptrs, x_ok, wg_ptrs,
-                   sg_ptrs, wu_ptrs, su_ptrs, bufs, GATED)
+        _copy_step(ahead % STAGES, gl.minimum(ahead * 128, K - 128), wg_ptrs, sg_ptrs, wu_ptrs,
+                   su_ptrs, bufs, GATED)
+        xs_next = gl.load(x_ptrs + gl.multiple_of(gl.minimum(i * 128 + 128, K - 128), 128),
+                          mask=x_ok, other=0.0, cache_modifier=".ca")
         wait_group(STAGES - 1)
         slot = i % STAGES
-        b = _activations(sx.index(slot).load(LX), B_OP)
+        b = _activations(xs, B_OP)
+        xs = xs_next
         sg = _block_scales(ssg.index(slot).load(LS), ROWS, LS, S3)
         acc = mma_v2(_decoded_tile(swg.index(slot).load(LW), sg, ROWS, LD, A_OP), b, acc)
         if GATED:
