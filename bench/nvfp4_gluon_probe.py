@@ -20,9 +20,9 @@ is explicit, chosen so that each thread holds exactly what `mma.sync` wants of i
 H200 (docs/BENCHMARKS.md, session 9 runs J, K): correct (rel 8.6e-4), but slower than the
 shipped Triton kernel (85 us): a first version that prefetched into registers instead of shared
 memory took 110 us (global-load latency; commit 09c5ee0); with everything in shared memory
-143-161 us (reads queued on the MIO pipe; one compiler-inserted barrier a step); this one
-134 us. Kept as the starting point of an
-explicit-layout decode: the layouts and the decode are right, the staging is not yet.
+143-161 us (reads queued on the MIO pipe; one compiler-inserted barrier a step); this one 134
+us. Kept as the starting point of an explicit-layout decode: the layouts and the decode are
+right, the staging is not yet.
 
     PYTHONPATH=.:bench python3 bench/nvfp4_gluon_probe.py [--once]   # H200: time + check
 """
