@@ -176,7 +176,8 @@ def test_problems_of_beam_1_0_cover_its_layers():
     cfg = preset("beam-1.0-501b")
     opts = BuildOptions(target="sm90", max_batch=64, max_num_tokens=2048, max_seq_len=131072,
                         block_size=64, cuda_graph_batch_sizes=(1, 8, 48, 64), kv_dtype="fp8")
-    problems = engine_problems(cfg, recipe_plan(cfg, "nvfp4"), opts, "fp8", "cuda")
+    # (64 SMs, given so that a GPU's own count does not change the list: nothing runs split)
+    problems = engine_problems(cfg, recipe_plan(cfg, "nvfp4"), opts, "fp8", "cuda", 64)
     keys = {p.key for p in problems}
     assert len(keys) == len(problems)
     # FP8 GEMMs only where the Triton kernel runs (<= 16 tokens; _scaled_mm above)
@@ -189,6 +190,32 @@ def test_problems_of_beam_1_0_cover_its_layers():
     decode = {(k[1], k[2]) for k in keys if k[0] == "attention_decode"}
     assert decode == {(b, cap) for b in (1, 8, 64) for cap in (131072, 512)}  # 48 -> bucket 64
     assert next(p for p in problems if p.family == "moe_nvfp4").uses == 49
+    # on 132 SMs the engine runs q/k/v and o_proj split over K at 1 and 8 tokens (each one FP8
+    # segment once qk_prep takes the BF16 gate from x; SPLIT_CONFIG's shape, not a tuned one):
+    # nothing of theirs to tune. On 64 SMs their tiles would not fit one wave: no split.
+    def fp8_keys(sm_count, plan=recipe_plan(cfg, "nvfp4")):
+        return {p.key for p in engine_problems(cfg, plan, opts, "fp8", "cuda", sm_count)
+                if p.family == "linear_fp8"}
+    assert fp8_keys(132) == set()
+    assert {k for k in keys if k[0] != "linear_fp8"} == {
+        p.key for p in engine_problems(cfg, recipe_plan(cfg, "nvfp4"), opts, "fp8", "cuda", 132)}
+    # a q/k/v with two FP8 segments is not split: its shapes stay
+    two = {i: dict(layer, **{"self_attn.qkvg_proj": layer["self_attn.qkvg_proj"][:1] * 2})
+           for i, layer in recipe_plan(cfg, "nvfp4").items()}
+    assert fp8_keys(132, two) == {("linear_fp8", m, 8192, 5120) for m in (1, 8)}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads a GPU's SM count")
+def test_problems_on_a_gpu_follow_its_sm_count():
+    from plugins._common import sm_count
+
+    cfg = preset("beam-1.0-501b")
+    opts = BuildOptions(target="sm90", max_batch=64, max_num_tokens=2048, max_seq_len=131072,
+                        block_size=64, cuda_graph_batch_sizes=(1, 8), kv_dtype="fp8")
+    plan = recipe_plan(cfg, "fp8")
+    found = [p.key for p in engine_problems(cfg, plan, opts, "fp8", "cuda")]
+    sms = sm_count(torch.device("cuda"))
+    assert found == [p.key for p in engine_problems(cfg, plan, opts, "fp8", "cuda", sms)]
 
 
 # ---------------------------------------------------------------------------- engine dirs

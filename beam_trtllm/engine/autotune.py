@@ -309,12 +309,20 @@ def engine_sizes(options) -> tuple[list[int], int]:
 
 
 def engine_problems(cfg: BeamConfig, layer_plan: dict, options, kv_dtype: str,
-                    device: torch.device | str = "cuda") -> list[Problem]:
-    """The distinct problems of this engine's layers at its decode and prefill sizes."""
+                    device: torch.device | str = "cuda", sm_count: int | None = None
+                    ) -> list[Problem]:
+    """The distinct problems of this engine's layers at its decode and prefill sizes.
+    sm_count (the device's, when it is present): leaves out the GEMMs the engine runs split
+    over K there."""
+    from plugins._common import sm_count as device_sm_count
+
     from .autotune_problems import attention_problems, linear_problems, moe_problems
 
     decode, prefill = engine_sizes(options)
-    cuda = torch.device(device).type == "cuda"
-    return (linear_problems(cfg, layer_plan, decode, prefill, cuda)
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    if sm_count is None and cuda and torch.cuda.is_available():
+        sm_count = device_sm_count(device)
+    return (linear_problems(cfg, layer_plan, decode, prefill, cuda, sm_count)
             + moe_problems(cfg, layer_plan, decode, prefill)
             + attention_problems(cfg, options, kv_dtype, decode))

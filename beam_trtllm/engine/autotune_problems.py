@@ -26,34 +26,54 @@ def _token_sizes(decode: list[int], prefill: int) -> list[int]:
     return sorted(reps.values())
 
 
+# Linears whose single FP8 segment the engine may run split over K at a few tokens
+# (BeamModel._split_linear: with SPLIT_CONFIG, a fixed shape, not a tuned one)
+SPLIT_LINEARS = ("self_attn.qkvg_proj", "self_attn.o_proj")
+
+
+def _may_split(name: str, segments: list[dict]) -> bool:
+    """As the engine loads them: one segment left once qkvg_proj's g_proj is set aside."""
+    from .model import gate_from_x
+
+    if name == "self_attn.qkvg_proj" and gate_from_x(segments):
+        segments = segments[:-1]
+    return name in SPLIT_LINEARS and len(segments) == 1
+
+
 def _linear_shapes(cfg: BeamConfig, layer_plan: dict) -> dict:
-    """{(format, N, K): (layers using it, Linear names)} of the quantized GEMMs."""
+    """{(format, N, K): (layers using it, Linear names, whether every use may run split-K)}
+    of the quantized GEMMs."""
     k_of = {"hidden": cfg.hidden_size, "attn": cfg.num_attention_heads * cfg.head_dim,
             "inner": cfg.intermediate_size}
-    shapes: dict[tuple, tuple[int, set]] = {}
+    shapes: dict[tuple, tuple[int, set, bool]] = {}
     for layer in layer_plan.values():
         for name, segments in layer.items():
             if name not in LINEAR_K:
                 continue
+            splits = _may_split(name, segments)
             for seg in segments:
                 if seg["format"] in TUNED_LINEAR:
                     key = (seg["format"], int(seg["rows"]), k_of[LINEAR_K[name]])
-                    uses, names = shapes.get(key, (0, set()))
-                    shapes[key] = (uses + 1, names | {name.split(".")[-1]})
+                    uses, names, all_split = shapes.get(key, (0, set(), True))
+                    shapes[key] = (uses + 1, names | {name.split(".")[-1]}, all_split and splits)
     return shapes
 
 
 def linear_problems(cfg: BeamConfig, layer_plan: dict, decode: list[int], prefill: int,
-                    cuda: bool) -> list[Problem]:
-    from plugins.linear_fp8 import takes_scaled_mm
+                    cuda: bool, sm_count: int | None = None) -> list[Problem]:
+    """The quantized GEMMs at each token count, less those torch._scaled_mm runs and, given
+    the device's SM count, those the engine runs split over K (`decode_split_k`)."""
+    from plugins.linear_fp8 import decode_split_k, takes_scaled_mm
     from plugins.tuning import bucket, dtype_name
 
     out = []
-    for (fmt, n, k), (uses, names) in sorted(_linear_shapes(cfg, layer_plan).items()):
+    for (fmt, n, k), (uses, names, split) in sorted(_linear_shapes(cfg, layer_plan).items()):
         family = f"linear_{fmt}"
         for m in _token_sizes(decode, prefill):
             if fmt == "fp8" and takes_scaled_mm(m, n, k, torch.empty(n), ACT_DTYPE, cuda):
                 continue  # torch._scaled_mm runs these: no launch shape of ours to tune
+            if fmt == "fp8" and split and sm_count and decode_split_k(m, n, k, sm_count) > 1:
+                continue  # the engine runs these split, in SPLIT_CONFIG's shape
             key = (family, bucket(m), n, k) + (() if fmt == "fp8" else (dtype_name(ACT_DTYPE),))
             out.append(Problem(family, key, f"{family} m={m} N={n} K={k} ({', '.join(sorted(names))})",
                                {"n": n, "k": k, "size": m}, uses))
@@ -116,9 +136,13 @@ def recipe_plan(cfg: BeamConfig, recipe: str) -> dict:
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     plan = {}
     for i in range(cfg.num_hidden_layers):
-        layer = {"self_attn.qkvg_proj": [{"format": "fp8", "rows": qkv},
-                                         {"format": "bf16", "rows": cfg.num_attention_heads}],
-                 "self_attn.o_proj": [{"format": "fp8", "rows": cfg.hidden_size}]}
+        layer = {"self_attn.qkvg_proj": [
+                     {"format": "fp8", "rows": qkv,
+                      "parts": [f"self_attn.{p}_proj" for p in "qkv"]},
+                     {"format": "bf16", "rows": cfg.num_attention_heads,
+                      "parts": ["self_attn.g_proj"]}],
+                 "self_attn.o_proj": [{"format": "fp8", "rows": cfg.hidden_size,
+                                       "parts": ["self_attn.o_proj"]}]}
         if cfg.is_moe(i):
             layer["experts"] = recipe
         else:

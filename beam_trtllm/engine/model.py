@@ -58,6 +58,15 @@ class StepInputs:
     logits_rows: torch.Tensor    # [S] int64 rows whose logits are sampled
 
 
+def gate_from_x(plan_segments: list[dict]) -> bool:
+    """Whether a qkvg_proj plan ends in the BF16 g_proj segment that qk_prep computes from x
+    itself (the engine sets it aside: the rest can then be one FP8 GEMM, split over K at a
+    few tokens, `BeamModel._split_linear`)."""
+    last = plan_segments[-1]
+    return (len(plan_segments) > 1 and last["format"] == "bf16"
+            and last.get("parts") == ["self_attn.g_proj"])
+
+
 def fp8_input_scale(segments: list[tuple[str, dict]]) -> torch.Tensor | None:
     """The static activation scale of a packed Linear whose first segment is FP8 W8A8: the op
     that produces its input also writes the FP8 codes with it (see the module docstring)."""
@@ -124,8 +133,8 @@ class BeamModel:
             layer[name] = [(seg["format"], take.prefix(f"{p}{name}.{s}."))
                            for s, seg in enumerate(plan[name])]
         layer["g_weight"] = None
-        qkvg, segs = layer["self_attn.qkvg_proj"], plan["self_attn.qkvg_proj"]
-        if len(qkvg) > 1 and qkvg[-1][0] == "bf16" and segs[-1]["parts"] == ["self_attn.g_proj"]:
+        qkvg = layer["self_attn.qkvg_proj"]
+        if gate_from_x(plan["self_attn.qkvg_proj"]):
             layer["g_weight"] = qkvg[-1][1]["weight"]  # qk_prep computes the gate from x
             layer["self_attn.qkvg_proj"] = qkvg[:-1]
         layer["attn_in_scale"] = fp8_input_scale(layer["self_attn.qkvg_proj"])
