@@ -287,38 +287,13 @@ def compile_report(num_warps=2, rows=32, stages=4):
     """Compile both kernels for sm_90 on this machine (no GPU needed) and print registers,
     shared memory and the K loop's SASS instruction mix (tests/plugins/sm90.py's tools)."""
     import collections
-    import re
-
-    from triton.compiler import compile as triton_compile
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import JITFunction, create_function_from_signature
 
     import sm90
 
-    def run(self, *args, grid, warmup, **kwargs):  # compile instead of launching
-        backend = make_backend(sm90.HOPPER)
-        kwargs["debug"] = False
-        binder = create_function_from_signature(self.signature, self.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound,
-                                                                specialization, options)
-        kernel = triton_compile(GluonASTSource(self, signature, constexprs, attrs),
-                                target=sm90.HOPPER, options=options.__dict__)
-        lines = sm90._sass_lines(kernel)
-        loops = [(int(t, 16), a) for a, c in lines
-                 for t in re.findall(r"\bBRA\b.*?0x([0-9a-f]+)", c) if int(t, 16) < a]
-        ops = collections.Counter(c.split()[1 if c.startswith("@") else 0] for a, c in lines
-                                  if any(lo <= a <= hi for lo, hi in loops))
-        print(f"{'gate/up' if kwargs['GATED'] else 'down'}: {sm90.resource_usage(kernel)}, "
-              f"loop {sum(ops.values())} instructions: {dict(ops.most_common(12))}")
-        return kernel
-
     h, inner, e = 5120, 2560, 8
     fp8 = torch.float8_e4m3fn
-    original, JITFunction.run = JITFunction.run, run
-    try:
-        ids = torch.arange(e, dtype=torch.int32)
+    ids = torch.arange(e, dtype=torch.int32)
+    with sm90.compile_instead_of_launch() as compiled:
         launch(torch.zeros(1, h, dtype=torch.bfloat16), ids,
                torch.zeros(e, 2 * inner, h // 2, dtype=torch.uint8),
                torch.ones(e, 2 * inner, h // 16).to(fp8), torch.ones(e),
@@ -329,8 +304,11 @@ def compile_report(num_warps=2, rows=32, stages=4):
                torch.ones(e, h, inner // 16).to(fp8), torch.ones(e),
                torch.empty(e, h, dtype=torch.bfloat16), h, inner, False, num_warps, rows, 1,
                stages)
-    finally:
-        JITFunction.run = original
+    for gemm, (_, kernel) in zip(("gate/up", "down"), compiled):
+        ops = collections.Counter(code.split()[1 if code.startswith("@") else 0]
+                                  for code in sm90.loop_instructions(kernel))
+        print(f"{gemm}: {sm90.resource_usage(kernel)}, loop {sum(ops.values())} instructions: "
+              f"{dict(ops.most_common(12))}")
 
 
 def main():

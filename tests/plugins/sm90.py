@@ -15,6 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.compiler import compile as triton_compile
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -24,7 +25,8 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 @contextlib.contextmanager
 def compile_instead_of_launch(target=HOPPER):
     """Within the block, `kernel[grid](...)` compiles for `target` and records the result in
-    the yielded list instead of launching (outputs of the launchers stay unwritten)."""
+    the yielded list instead of launching (outputs of the launchers stay unwritten). Triton
+    and Gluon kernels alike."""
     backend, compiled, original = make_backend(target), [], JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -33,7 +35,8 @@ def compile_instead_of_launch(target=HOPPER):
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound,
                                                                 specialization, options)
-        kernel = triton_compile(ASTSource(self, signature, constexprs, attrs), target=target,
+        source = GluonASTSource if self.is_gluon() else ASTSource
+        kernel = triton_compile(source(self, signature, constexprs, attrs), target=target,
                                 options=options.__dict__)
         compiled.append((self.__name__, kernel))
         return kernel
@@ -81,15 +84,19 @@ def _sass_lines(kernel) -> list[tuple[int, str]]:
             re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
 
 
-def in_loops(kernel, opcode: str) -> int:
-    """Instructions matching the regex `opcode` inside a loop of the SASS (a loop: the range
-    from a backward branch's target to the branch)."""
+def loop_instructions(kernel) -> list[str]:
+    """The SASS instructions inside a loop (a loop: the range from a backward branch's target
+    to the branch)."""
     lines = _sass_lines(kernel)
     loops = [(int(target, 16), addr) for addr, code in lines
              for target in re.findall(r"\bBRA\b.*?0x([0-9a-f]+)", code)
              if int(target, 16) < addr]
-    return sum(1 for addr, code in lines if re.search(opcode, code)
-               and any(lo <= addr <= hi for lo, hi in loops))
+    return [code for addr, code in lines if any(lo <= addr <= hi for lo, hi in loops)]
+
+
+def in_loops(kernel, opcode: str) -> int:
+    """Instructions matching the regex `opcode` inside a loop of the SASS."""
+    return sum(1 for code in loop_instructions(kernel) if re.search(opcode, code))
 
 
 def spills_in_loops(kernel) -> int:
