@@ -72,11 +72,11 @@ def main():
                        for one in (spec.split("|") * 2)[:2]) for spec in opts.shapes.split(";")]
     shapes = [c13 for c13, _ in pairs]
     name = lambda c: f"{c.block_m}x{c.block_n},{c.block_k},{c.num_warps}w,{c.num_stages}s"  # noqa: E731
+    hot = hot_args(args, cfg) if opts.hot else None
     for c13, c2 in pairs:
         row(f"moe {name(c13)} | {name(c2)}",
             lambda: moe_nvfp4.moe_nvfp4_triton(*args, config13=c13, config2=c2), want, floor)
-        if opts.hot:
-            hot = hot_args(args, cfg)
+        if hot is not None:
             us = time_graph_us(lambda: moe_nvfp4.moe_nvfp4_triton(*hot, config13=c13, config2=c2))
             print(f"{'  same, weights L2-resident (one expert)':40s} {us:8.1f} us", flush=True)
     if opts.no_linear:
