@@ -43,7 +43,14 @@ def main():
                       "the built-in list")
     opts.add_argument("--hot", action="store_true",
                       help="also each shape with all 8 experts reading expert 0's bytes "
-                      "(L2-resident): the decode's time without its HBM reads")
+                      "(L2-resident): the decode's time without its HBM reads; stride-0 "
+                      "views, so per-thread copies)")
+    opts.add_argument("--copies", action="store_true",
+                      help="also each shape with tma=False (per-thread copies, no TMA loads)")
+    opts.add_argument("--no-tma", action="store_true", help="--once with tma=False")
+    opts.add_argument("--same-expert", action="store_true",
+                      help="every pair routed to one expert (its weights L2-resident; works "
+                      "with the TMA loads, unlike --hot)")
     opts.add_argument("--no-linear", action="store_true", help="skip linear_nvfp4")
     opts.add_argument("--split-probe", action="store_true",
                       help="what split-K would buy: each GEMM over half of K on twice the pairs")
@@ -51,6 +58,8 @@ def main():
     cfg = preset("beam-1.0-501b")
     packed = km.experts("nvfp4", cfg, seed=1)
     x, ids, w = km.routing(cfg, opts.tokens, seed=1)
+    if opts.same_expert:
+        ids = torch.full_like(ids, int(ids[0, 0]))
     args = km.moe_args("nvfp4", x, ids, w, packed)
     if opts.split_probe:
         return split_probe(cfg, packed, x)
@@ -58,7 +67,7 @@ def main():
         c = G(*map(int, opts.once.split(",")))
         run_args = hot_args(args, cfg) if opts.hot else args
         for _ in range(3):
-            moe_nvfp4.moe_nvfp4_triton(*run_args, config13=c, config2=c)
+            moe_nvfp4.moe_nvfp4_triton(*run_args, config13=c, config2=c, tma=not opts.no_tma)
         torch.cuda.synchronize()
         return
     copy = 4274e9  # bytes/s, bench/kernels.py's copy ceiling on this H200
@@ -76,6 +85,10 @@ def main():
     for c13, c2 in pairs:
         row(f"moe {name(c13)} | {name(c2)}",
             lambda: moe_nvfp4.moe_nvfp4_triton(*args, config13=c13, config2=c2), want, floor)
+        if opts.copies:
+            row("  same, per-thread copies (tma=False)",
+                lambda: moe_nvfp4.moe_nvfp4_triton(*args, config13=c13, config2=c2, tma=False),
+                want, floor)
         if hot is not None:
             us = time_graph_us(lambda: moe_nvfp4.moe_nvfp4_triton(*hot, config13=c13, config2=c2))
             print(f"{'  same, weights L2-resident (one expert)':40s} {us:8.1f} us", flush=True)
@@ -124,7 +137,7 @@ def split_probe(cfg, packed, x):
             for c in (moe_nvfp4.DECODE, G(16, 128, 1, 3), G(32, 128, 2, 4)):
                 def run():
                     moe_nvfp4._gemm(a, words, scales, packed[s2], out, routing, pairs, 8, n,
-                                    depth, gated, c)
+                                    depth, gated, c, False)
                     return out
                 us = time_graph_us(run)
                 print(f"{'gate/up' if gated else 'down':8s} {pairs:2d} pairs x K={depth:5d} "

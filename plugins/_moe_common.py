@@ -119,6 +119,21 @@ def fake_moe(x: torch.Tensor, topk_ids: torch.Tensor, *args, per_slot: bool = Fa
     return empty_output(x, topk_ids, x.dtype, per_slot)
 
 
+# ---------------------------------------------------------------------------- TMA
+TMA_MAX_BOX = 256  # rows or columns of one TMA copy (cuTensorMapEncodeTiled's boxDim limit)
+
+
+def has_tma(x: torch.Tensor) -> bool:
+    """Whether x's device has a TMA: sm_90+, or the CPU (Triton's interpreter emulates it)."""
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def tma_addressable(m: torch.Tensor) -> bool:
+    """Whether the TMA can address m: contiguous, 16-byte aligned, rows a multiple of 16
+    bytes."""
+    return m.is_contiguous() and m.data_ptr() % 16 == 0 and m.shape[-1] % 16 == 0
+
+
 # ---------------------------------------------------------------------------- row blocks
 @triton.jit
 def past_last_row(pid_m, num_rows_ptr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr):

@@ -200,12 +200,19 @@ def load_nvfp4_tile(w_ptrs, s_ptrs, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl
 def nvfp4_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
                  GATED: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
                  SIDE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, w_desc=None, s_desc=None,
+                 w_row0=0, up_rows=0, TMA_W: tl.constexpr = False, TMA_S: tl.constexpr = False):
     """The K loop of the NVFP4 GEMMs (moe_nvfp4, linear_nvfp4): activations [BLOCK_M, BLOCK_K]
     (rows `valid`) times decoded weight tiles (rows `n_mask`; words at w_ptrs, E4M3 block
     scales at s_ptrs) and with GATED also the weight rows row_step_w / row_step_s further (an
-    expert's up_proj) into a second accumulator. -> (acc, acc_up) as `_gemm.gemm_loop`."""
-    if EVEN_K:
+    expert's up_proj) into a second accumulator. TMA_W: whole K tiles whose words (TMA_S:
+    and block scales) the TMA loads from the 2-D descriptors w_desc / s_desc over all weight
+    rows, rows w_row0.. and up_rows further. -> (acc, acc_up) as `_gemm.gemm_loop`."""
+    if TMA_W:
+        acc, acc_up = _tma_k_loop(a_ptrs, w_desc, s_desc, w_row0, up_rows, s_ptrs, valid,
+                                  n_mask, row_step_s, K, GATED, SWAP, ASM, SIDE, PRECISION,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, TMA_S)
+    elif EVEN_K:
         acc, acc_up = _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s,
                                    K, GATED, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
                                    BLOCK_K)
@@ -237,6 +244,47 @@ def _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, 
             acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
+        s_ptrs += BLOCK_K // 16
+    return acc, acc_up
+
+
+@triton.jit
+def _tma_tile(w_desc, s_desc, row, k0, s_ptrs, n_mask, dtype: tl.constexpr, ASM: tl.constexpr,
+              SIDE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              TMA_S: tl.constexpr):
+    """The decoded weight tile of rows [row, + BLOCK_N), K step k0: words by the TMA, block
+    scales by the TMA (TMA_S) or by per-thread copies from s_ptrs."""
+    words = w_desc.load([row, k0 // 8])
+    if TMA_S:
+        scales = s_desc.load([row, k0 // 16])
+    else:
+        scales = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+    return nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
+
+
+@triton.jit
+def _tma_k_loop(a_ptrs, w_desc, s_desc, w_row0, up_rows, s_ptrs, valid, n_mask, row_step_s, K,
+                GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, TMA_S: tl.constexpr):
+    """`_even_k_loop` with the weight words (and with TMA_S the block scales) loaded by the
+    Hopper TMA from 2-D descriptors over all experts' rows: rows w_row0.. and, GATED, up_rows
+    further. No per-thread copies or their address registers, and the words land in swizzled
+    shared memory (the per-thread copies' rows of 64 bytes: 4-way bank conflicts)."""
+    dtype: tl.constexpr = a_ptrs.dtype.element_ty
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    for k0 in range(0, K, BLOCK_K):
+        a = nvfp4_activations(tl.load(a_ptrs, mask=valid[:, None], other=0.0), ASM, SIDE,
+                              BLOCK_M, BLOCK_K)
+        w = _tma_tile(w_desc, s_desc, w_row0, k0, s_ptrs, n_mask, dtype, ASM, SIDE, BLOCK_N,
+                      BLOCK_K, TMA_S)
+        acc = mma(acc, a, w, SWAP, PRECISION)
+        if GATED:
+            w_up = _tma_tile(w_desc, s_desc, w_row0 + up_rows, k0, s_ptrs + row_step_s, n_mask,
+                             dtype, ASM, SIDE, BLOCK_N, BLOCK_K, TMA_S)
+            acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
+        a_ptrs += BLOCK_K
         s_ptrs += BLOCK_K // 16
     return acc, acc_up
 

@@ -38,9 +38,10 @@ from ._fp8_act import quant_fp8_per_tensor, quant_fp8_sorted_rows
 from ._checks import ACT_DTYPES, check_device, check_out_dtype
 from ._gemm import gemm_loop, round_to, silu_mul, tile_of, tma_gemm_loop, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, configs_for, empty_output, finish,
-    past_last_row, plan_routing, ref_moe, routing_ptrs, tail_ptrs,
+    DIRECT_MAX_PAIRS, TL_DTYPES, TMA_MAX_BOX, GemmConfig, Routing, block_tile,
+    check_expert_weights, check_ids_in_range, check_routing, check_tensor, configs_for,
+    empty_output, finish, has_tma, past_last_row, plan_routing, ref_moe, routing_ptrs, tail_ptrs,
+    tma_addressable,
 )
 from .registry import dispatch, register
 from .tuning import tuned_moe
@@ -180,9 +181,6 @@ def _fp8_tile(tile, a_ptr, a_desc, a_row0, a_scale_ptr, w_ptr, w_desc, ws_ptr, o
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-TMA_MAX_BOX = 256  # rows or columns of one TMA copy (cuTensorMapEncodeTiled's boxDim limit)
-
-
 def takes_tma(x: torch.Tensor, routing: Routing, configs, *mats: torch.Tensor) -> bool:
     """Whether the GEMMs load by the TMA: tail-block layouts (prefill), a device with a TMA
     (sm_90+; the interpreter emulates it), tiles one TMA copy can fill (at most 256 rows and
@@ -192,10 +190,7 @@ def takes_tma(x: torch.Tensor, routing: Routing, configs, *mats: torch.Tensor) -
         return False
     if any(max(c.block_m, c.block_n, c.block_k) > TMA_MAX_BOX or c.block_k < 16 for c in configs):
         return False
-    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    return all(m.is_contiguous() and m.data_ptr() % 16 == 0 and m.shape[-1] % 16 == 0
-               for m in mats)
+    return has_tma(x) and all(tma_addressable(m) for m in mats)
 
 
 def _descriptors(a, w, routing: Routing, cfg: GemmConfig, tma: bool):

@@ -26,15 +26,16 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from beam_trtllm.quant_formats import NVFP4_BLOCK, dequantize_nvfp4
 
 from ._checks import _expect, check_device
 from ._gemm import dot_precision, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, GemmConfig, Routing, block_tile, check_expert_weights, check_ids_in_range,
-    check_routing, check_tensor, configs_for, empty_output, fake_moe, finish, past_last_row,
-    plan_routing, ref_moe, routing_ptrs,
+    DIRECT_MAX_PAIRS, TMA_MAX_BOX, GemmConfig, Routing, block_tile, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, configs_for, empty_output, fake_moe, finish,
+    has_tma, past_last_row, plan_routing, ref_moe, routing_ptrs, tma_addressable,
 )
 from ._tiles import nvfp4_k_loop, nvfp4_side
 from .registry import dispatch, register, triton_interpreted
@@ -48,6 +49,11 @@ FP8 = (torch.float8_e4m3fn,)
 # blocks (one pair each in direct mode) halve the MMAs and the activation fragments a K step
 # against 16 (gate/up loop 555 -> 502 SASS instructions; T=1 94.7 -> 85.7 us).
 DECODE = GemmConfig(8, 32, 128, 2, 3, swap=True)
+# The same with the TMA (sm_90+): 256-deep K steps whose words and block scales the TMA loads
+# into swizzled shared memory (no per-thread copies and their address registers; the
+# per-thread copies' 64-byte rows read back with 4-way bank conflicts). H200, T=1,
+# bench/nvfp4_probe.py: 83.1 -> 71.1 us (128-deep TMA steps 80.4, 64 rows / 4 warps 73.3).
+DECODE_TMA = GemmConfig(8, 32, 256, 2, 3, swap=True)
 
 
 def check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2):
@@ -95,17 +101,18 @@ moe_nvfp4.register_fake(fake_moe)
 
 # ---------------------------------------------------------------------------- triton
 @triton.jit
-def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
+def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr,
                       ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                       numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
                       stride_sn, stride_om, GATED: tl.constexpr, DIRECT: tl.constexpr,
                       SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr):
+                      GROUP_M: tl.constexpr, TMA_W: tl.constexpr, TMA_S: tl.constexpr):
     # As moe_bf16's kernel, with each weight tile decoded from NVFP4 on the fly (W4A16; w_ptr is
     # read as int32 words, strides in words) and 2^8 * the expert's global scale applied to the
-    # FP32 accumulators.
+    # FP32 accumulators. TMA_W / TMA_S: words / block scales by the TMA (w_desc, s_desc: 2-D
+    # over all experts' rows; an expert's rows start at expert * stride_we / stride_wn).
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
         return
@@ -122,7 +129,9 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
     row_step_w, row_step_s = N * stride_wn, N * stride_sn  # gate row n -> up row N + n
     acc, acc_up = nvfp4_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
                                GATED, EVEN_K, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
-                               BLOCK_K)
+                               BLOCK_K, w_desc, s_desc,
+                               (expert * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32),
+                               N, TMA_W, TMA_S)
     scale_2 = tl.load(ws2_ptr + expert) * 256.0
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     if GATED:
@@ -140,37 +149,72 @@ def use_asm(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not triton_interpreted()
 
 
-def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfig):
+def takes_tma(x: torch.Tensor, k: int, cfg: GemmConfig, w: torch.Tensor,
+              w_scale: torch.Tensor) -> tuple[bool, bool]:
+    """(words by the TMA, block scales by the TMA) for one GEMM: decode launch shapes (weights
+    on the MMA's M side) over whole K tiles, a device with a TMA (sm_90+; the interpreter
+    emulates it), one TMA copy a tile (<= 256 rows and columns, >= 16 bytes a row) and
+    operands it can address (contiguous, 16-byte aligned, rows a multiple of 16 bytes). The
+    scales need 256-deep K tiles (16 scale bytes a row)."""
+    if not cfg.swap or k % cfg.block_k or cfg.block_k < 32 or cfg.block_n > TMA_MAX_BOX \
+            or cfg.block_k // 8 > TMA_MAX_BOX:
+        return False, False
+    words = has_tma(x) and tma_addressable(w)
+    return words, words and cfg.block_k % 256 == 0 and tma_addressable(w_scale)
+
+
+def _descriptor(m: torch.Tensor, rows: int, cols: int):
+    """A TMA descriptor over m's [E * rows, last dim] 2-D view, copying [rows, cols] boxes."""
+    flat = m.view(-1, m.shape[-1])
+    return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [rows, cols])
+
+
+def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfig,
+          tma: bool):
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     words = w.view(torch.int32)  # [E, rows, K/8]: 8 codes a word
+    tma_w, tma_s = takes_tma(a, k, cfg, w, ws) if tma else (False, False)
+    w_desc = _descriptor(words, cfg.block_n, cfg.block_k // 8) if tma_w else None
+    s_desc = _descriptor(ws, cfg.block_n, cfg.block_k // 16) if tma_s else None
     _moe_nvfp4_kernel[grid](
-        a, words, ws, ws2, out, *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
-        a.stride(0), words.stride(0), words.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
-        GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap, ASM=use_asm(a.dtype),
-        SIDE=nvfp4_side(cfg.swap, cfg.block_m),
+        a, words, w_desc, ws, s_desc, ws2, out, *routing_ptrs(routing), numel, top_k,
+        routing.m_blocks, n, k, a.stride(0), words.stride(0), words.stride(1), ws.stride(0),
+        ws.stride(1), out.stride(0), GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap,
+        ASM=use_asm(a.dtype), SIDE=nvfp4_side(cfg.swap, cfg.block_m),
         EVEN_K=k % cfg.block_k == 0, PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TMA_W=tma_w,
+        TMA_S=tma_s, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def launch_configs(numel: int, experts: int, config13=None, config2=None):
-    """(gate/up, down) launch shapes: `configs_for`'s, with DECODE for each GEMM the caller
-    left open where those put the weights on the MMA's M side; DECODE takes the given GEMM's
-    block_m when the other is given (both GEMMs share one token sort)."""
+def decode_config(k: int, tma: bool = True) -> GemmConfig:
+    """The decode launch shape of a GEMM over K: DECODE_TMA where the TMA can load its 256-deep
+    tiles, else DECODE."""
+    return DECODE_TMA if tma and k % DECODE_TMA.block_k == 0 else DECODE
+
+
+def launch_configs(numel: int, experts: int, config13=None, config2=None, k13: int = 0,
+                   k2: int = 0, tma: bool = False):
+    """(gate/up, down) launch shapes: `configs_for`'s, with the decode shape (`decode_config`
+    of the GEMM's K: k13 = hidden size, k2 = expert width; tma: the TMA can be used) for each
+    GEMM the caller left open where those put the weights on the MMA's M side; that shape
+    takes the given GEMM's block_m when the other is given (both GEMMs share one token
+    sort)."""
     c13, c2 = configs_for(numel, experts, config13, config2)
+    d13, d2 = decode_config(k13, tma), decode_config(k2, tma)
     if config13 is None and c13.swap:
-        c13 = DECODE if config2 is None else dataclasses.replace(DECODE, block_m=c2.block_m)
+        c13 = d13 if config2 is None else dataclasses.replace(d13, block_m=c2.block_m)
     if config2 is None and c2.swap:
-        c2 = DECODE if config13 is None else dataclasses.replace(DECODE, block_m=c13.block_m)
+        c2 = d2 if config13 is None else dataclasses.replace(d2, block_m=c13.block_m)
     return c13, c2
 
 
 @register(OP, "triton")
 def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale,
-                     w2_scale_2, direct=None, config13=None, config2=None, *,
+                     w2_scale_2, direct=None, config13=None, config2=None, tma=True, *,
                      per_slot: bool = False):
-    """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
+    """Launcher. `direct` / `config*` override the launch choices, tma=False turns the TMA
+    loads off (tests and bench/ only)."""
     e, inner = check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
                                w2_scale, w2_scale_2)
     t, h = x.shape
@@ -180,11 +224,12 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
         return empty_output(x, topk_ids, x.dtype, per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2, x.dtype)
-    c13, c2 = launch_configs(numel if not direct else 1, e, config13, config2)
+    tma = tma and has_tma(x)
+    c13, c2 = launch_configs(numel if not direct else 1, e, config13, config2, h, inner, tma)
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
     x = x.contiguous()
     hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, w13_scale, w13_scale_2, hbuf, routing, numel, top_k, inner, h, True, c13)
+    _gemm(x, w13, w13_scale, w13_scale_2, hbuf, routing, numel, top_k, inner, h, True, c13, tma)
     y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
-    _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2)
+    _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2, tma)
     return finish(y, topk_weights, t, per_slot)

@@ -166,16 +166,19 @@ def _moe_runner(fp8: bool):
     return runner
 
 
-def moe_defaults(pairs: int, experts: int, fp8: bool = True):
+def moe_defaults(pairs: int, experts: int, fp8: bool = True, hidden: int = 0, inner: int = 0):
     """The (gate/up, down) shapes `_moe_common.configs_for` gives, or for NVFP4 those of
-    moe_nvfp4's launcher (moe_fp8's launcher swaps in its own prefill gate/up shape; the
-    search times the launcher's real choice as the default and derives alternatives from
-    these)."""
+    moe_nvfp4's launcher for these GEMM depths on this machine's GPU (moe_fp8's launcher swaps
+    in its own prefill gate/up shape; the search times the launcher's real choice as the
+    default and derives alternatives from these)."""
     from plugins._moe_common import DIRECT_MAX_PAIRS, configs_for
     from plugins.moe_nvfp4 import launch_configs
 
     numel = 1 if pairs <= DIRECT_MAX_PAIRS else pairs
-    return configs_for(numel, experts, None, None) if fp8 else launch_configs(numel, experts)
+    if fp8:
+        return configs_for(numel, experts, None, None)
+    tma = not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9
+    return launch_configs(numel, experts, k13=hidden, k2=inner, tma=tma)
 
 
 def _moe_changes(d, fp8: bool) -> list[dict]:
@@ -191,7 +194,7 @@ def _moe_changes(d, fp8: bool) -> list[dict]:
 
 def _moe_stages(fp8: bool):
     def stages(p, mode):
-        d13, d2 = moe_defaults(p["size"], p["experts"], fp8)
+        d13, d2 = moe_defaults(p["size"], p["experts"], fp8, p["hidden"], p["inner"])
 
         def gate_up(best):  # a block_m change re-sorts the tokens: w2 follows it
             out = [None]

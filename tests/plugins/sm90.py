@@ -85,11 +85,12 @@ def _sass_lines(kernel) -> list[tuple[int, str]]:
 
 
 def loop_instructions(kernel) -> list[str]:
-    """The SASS instructions inside a loop (a loop: the range from a backward branch's target
-    to the branch)."""
+    """The SASS instructions inside a loop (a loop: the range from a predicated backward
+    branch's target to the branch; an unpredicated one returns from an out-of-line block,
+    such as an mbarrier wait's retry loop placed after the kernel's exit)."""
     lines = _sass_lines(kernel)
     loops = [(int(target, 16), addr) for addr, code in lines
-             for target in re.findall(r"\bBRA\b.*?0x([0-9a-f]+)", code)
+             for target in re.findall(r"^@!?U?P\w+\s+BRA\b.*?0x([0-9a-f]+)", code)
              if int(target, 16) < addr]
     return [code for addr, code in lines if any(lo <= addr <= hi for lo, hi in loops)]
 

@@ -4,6 +4,8 @@ tile, I not a multiple of 128 (block FP8), FP32 and BF16, both routing paths (di
 decode, sorted blocks for prefill), and the token sort checked exactly. On a GPU machine they
 run there instead (KERNEL_DEVICE)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -113,6 +115,29 @@ def test_nvfp4_whole_k_tiles(dtype, t, direct, inner):
     out = moe_nvfp4.moe_nvfp4_triton(*args, direct=direct)
     torch.testing.assert_close(out.cpu(), moe_nvfp4.ref_moe_nvfp4(*on_cpu(args)),
                                **_tolerance("nvfp4", dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("direct", [True, False])
+def test_nvfp4_tma_loads_match_per_thread_copies(dtype, direct):
+    """Decode launch shapes over whole K tiles load the weight words (and over 256-deep tiles
+    the block scales too) by the TMA; the per-thread copies give the same bits. H = 256:
+    gate/up on DECODE_TMA (words and scales), I = 128: down on DECODE (words only); 3 tokens,
+    12 pairs, direct or sorted."""
+    args = _case("nvfp4", dtype, 3, seed=21, experts=6, shape=(256, 128))
+    c13, c2 = moe_nvfp4.launch_configs(1, E, k13=256, k2=128, tma=True)
+    assert (c13, c2) == (moe_nvfp4.DECODE_TMA, moe_nvfp4.DECODE)
+    assert moe_nvfp4.takes_tma(args[0], 256, c13, args[3], args[4]) == (True, True)
+    assert moe_nvfp4.takes_tma(args[0], 128, c2, args[6], args[7]) == (True, False)
+    assert moe_nvfp4.takes_tma(args[0], 80, c2, args[6], args[7]) == (False, False)  # K tail
+    assert moe_nvfp4.takes_tma(args[0], 128, dataclasses.replace(c2, swap=False), args[6],
+                               args[7]) == (False, False)  # weights on the B side (prefill)
+    out = moe_nvfp4.moe_nvfp4_triton(*args, direct=direct, config13=c13, config2=c2)
+    torch.testing.assert_close(out.cpu(), moe_nvfp4.ref_moe_nvfp4(*on_cpu(args)),
+                               **_tolerance("nvfp4", dtype))
+    copies = moe_nvfp4.moe_nvfp4_triton(*args, direct=direct, config13=c13, config2=c2,
+                                        tma=False)
+    assert torch.equal(out, copies)
 
 
 def test_single_token_and_empty_batch():
@@ -251,8 +276,6 @@ def test_tail_block_configs_are_checked(fmt, c13, c2, reason):
 def test_nvfp4_open_gemm_shares_the_token_sort():
     """One GEMM's shape given, the other left to DECODE: DECODE takes the given block_m, so
     both GEMMs read the one token sort (sorted path, checked against the reference)."""
-    import dataclasses
-
     args = _case("nvfp4", torch.bfloat16, 3, seed=4)  # 12 pairs, sorted below: swap defaults
     given = _moe_common.GemmConfig(16, 32, 128, 2, 3, swap=True)
     following = dataclasses.replace(moe_nvfp4.DECODE, block_m=16)
