@@ -51,6 +51,9 @@ def main():
     opts.add_argument("--same-expert", action="store_true",
                       help="every pair routed to one expert (its weights L2-resident; works "
                       "with the TMA loads, unlike --hot)")
+    opts.add_argument("--gate-up-split", action="store_true",
+                      help="gate/up at T=1 fused (one program: a gate and an up tile) against "
+                      "gate and up tiles in separate programs (an ungated GEMM over 2I rows)")
     opts.add_argument("--no-linear", action="store_true", help="skip linear_nvfp4")
     opts.add_argument("--split-probe", action="store_true",
                       help="what split-K would buy: each GEMM over half of K on twice the pairs")
@@ -63,6 +66,8 @@ def main():
     args = km.moe_args("nvfp4", x, ids, w, packed)
     if opts.split_probe:
         return split_probe(cfg, packed, x)
+    if opts.gate_up_split:
+        return gate_up_split(cfg, packed, ids)
     if opts.once:  # with --hot: the L2-resident weights
         c = G(*map(int, opts.once.split(",")))
         run_args = hot_args(args, cfg) if opts.hot else args
@@ -106,6 +111,7 @@ def main():
             lambda: linear_nvfp4.linear_nvfp4_triton(*largs, config=c), want, floor)
 
 
+
 def hot_args(args, cfg):
     """moe_nvfp4's arguments with every expert's weights and scales read from expert 0's
     (`one_expert`); the launcher's checks are skipped from here on (stride-0 views are not
@@ -118,6 +124,22 @@ def one_expert(t):
     """[E, rows, cols] -> the same shape with every expert reading expert 0's bytes (stride
     0): the 8 selected experts' 177 MB shrink to one expert's 22 MB, L2-resident."""
     return t.as_strided(t.shape, (0, t.stride(1), 1))
+
+
+def gate_up_split(cfg, packed, ids):
+    """gate/up alone at T=1 (8 pairs, direct): fused against separate gate and up programs."""
+    e, h, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    routing = moe_nvfp4.plan_routing(ids, e, 8, direct=True)
+    a = torch.randn(8, h, device="cuda").to(torch.bfloat16)  # ungated: activation row = pair
+    args = (packed["w13"], packed["w13_scale"], packed["w13_scale_2"])
+    for c in (moe_nvfp4.DECODE_TMA, G(32, 256, 2, 4, 8), G(16, 256, 1, 3, 8), G(64, 256, 4, 3, 8)):
+        for gated in (True, False):
+            n = inner if gated else 2 * inner
+            out = torch.empty(8, n, device="cuda", dtype=torch.bfloat16)
+            us = time_graph_us(lambda: moe_nvfp4._gemm(a[:1] if gated else a, *args, out, routing,
+                                                       8, 8, n, h, gated, c, True))
+            print(f"gate/up {'fused' if gated else 'split'} {c.block_n},{c.block_k},"
+                  f"{c.num_warps}w,{c.num_stages}s  {us:7.1f} us", flush=True)
 
 
 def split_probe(cfg, packed, x):

@@ -163,7 +163,7 @@ def takes_tma(x: torch.Tensor, k: int, cfg: GemmConfig, w: torch.Tensor,
     return words, words and cfg.block_k % 256 == 0 and tma_addressable(w_scale)
 
 
-def _descriptor(m: torch.Tensor, rows: int, cols: int):
+def tma_descriptor(m: torch.Tensor, rows: int, cols: int):
     """A TMA descriptor over m's [E * rows, last dim] 2-D view, copying [rows, cols] boxes."""
     flat = m.view(-1, m.shape[-1])
     return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [rows, cols])
@@ -174,8 +174,8 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     words = w.view(torch.int32)  # [E, rows, K/8]: 8 codes a word
     tma_w, tma_s = takes_tma(a, k, cfg, w, ws) if tma else (False, False)
-    w_desc = _descriptor(words, cfg.block_n, cfg.block_k // 8) if tma_w else None
-    s_desc = _descriptor(ws, cfg.block_n, cfg.block_k // 16) if tma_s else None
+    w_desc = tma_descriptor(words, cfg.block_n, cfg.block_k // 8) if tma_w else None
+    s_desc = tma_descriptor(ws, cfg.block_n, cfg.block_k // 16) if tma_s else None
     _moe_nvfp4_kernel[grid](
         a, words, w_desc, ws, s_desc, ws2, out, *routing_ptrs(routing), numel, top_k,
         routing.m_blocks, n, k, a.stride(0), words.stride(0), words.stride(1), ws.stride(0),
