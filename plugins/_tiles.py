@@ -201,17 +201,21 @@ def nvfp4_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, 
                  GATED: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
                  SIDE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, w_desc=None, s_desc=None,
-                 w_row0=0, up_rows=0, TMA_W: tl.constexpr = False, TMA_S: tl.constexpr = False):
+                 w_row0=0, up_rows=0, TMA_W: tl.constexpr = False, TMA_S: tl.constexpr = False,
+                 ONE_ROW: tl.constexpr = False):
     """The K loop of the NVFP4 GEMMs (moe_nvfp4, linear_nvfp4): activations [BLOCK_M, BLOCK_K]
     (rows `valid`) times decoded weight tiles (rows `n_mask`; words at w_ptrs, E4M3 block
     scales at s_ptrs) and with GATED also the weight rows row_step_w / row_step_s further (an
     expert's up_proj) into a second accumulator. TMA_W: whole K tiles whose words (TMA_S:
     and block scales) the TMA loads from the 2-D descriptors w_desc / s_desc over all weight
-    rows, rows w_row0.. and up_rows further. -> (acc, acc_up) as `_gemm.gemm_loop`."""
+    rows, rows w_row0.. and up_rows further; with ONE_ROW, a_ptrs is one activation row
+    [1, BLOCK_K] that every token column of the MMA takes (direct pairs, whose other columns
+    are never stored: 1/8 of the activation tile's shared memory and copies).
+    -> (acc, acc_up) as `_gemm.gemm_loop`."""
     if TMA_W:
         acc, acc_up = _tma_k_loop(a_ptrs, w_desc, s_desc, w_row0, up_rows, s_ptrs, valid,
                                   n_mask, row_step_s, K, GATED, SWAP, ASM, SIDE, PRECISION,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, TMA_S)
+                                  BLOCK_M, BLOCK_N, BLOCK_K, TMA_S, ONE_ROW)
     elif EVEN_K:
         acc, acc_up = _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s,
                                    K, GATED, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
@@ -266,7 +270,7 @@ def _tma_tile(w_desc, s_desc, row, k0, s_ptrs, n_mask, dtype: tl.constexpr, ASM:
 def _tma_k_loop(a_ptrs, w_desc, s_desc, w_row0, up_rows, s_ptrs, valid, n_mask, row_step_s, K,
                 GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, TMA_S: tl.constexpr):
+                BLOCK_K: tl.constexpr, TMA_S: tl.constexpr, ONE_ROW: tl.constexpr):
     """`_even_k_loop` with the weight words (and with TMA_S the block scales) loaded by the
     Hopper TMA from 2-D descriptors over all experts' rows: rows w_row0.. and, GATED, up_rows
     further. No per-thread copies or their address registers, and the words land in swizzled
@@ -275,8 +279,12 @@ def _tma_k_loop(a_ptrs, w_desc, s_desc, w_row0, up_rows, s_ptrs, valid, n_mask, 
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, K, BLOCK_K):
-        a = nvfp4_activations(tl.load(a_ptrs, mask=valid[:, None], other=0.0), ASM, SIDE,
-                              BLOCK_M, BLOCK_K)
+        if ONE_ROW:  # a_ptrs [1, BLOCK_K]: one activation row for all token columns
+            a = nvfp4_activations(tl.load(a_ptrs), ASM, SIDE, 1, BLOCK_K)
+            a = tl.broadcast_to(a, (BLOCK_M, BLOCK_K))
+        else:
+            a = nvfp4_activations(tl.load(a_ptrs, mask=valid[:, None], other=0.0), ASM, SIDE,
+                                  BLOCK_M, BLOCK_K)
         w = _tma_tile(w_desc, s_desc, w_row0, k0, s_ptrs, n_mask, dtype, ASM, SIDE, BLOCK_N,
                       BLOCK_K, TMA_S)
         acc = mma(acc, a, w, SWAP, PRECISION)

@@ -49,11 +49,16 @@ FP8 = (torch.float8_e4m3fn,)
 # blocks (one pair each in direct mode) halve the MMAs and the activation fragments a K step
 # against 16 (gate/up loop 555 -> 502 SASS instructions; T=1 94.7 -> 85.7 us).
 DECODE = GemmConfig(8, 32, 128, 2, 3, swap=True)
-# The same with the TMA (sm_90+): 256-deep K steps whose words and block scales the TMA loads
-# into swizzled shared memory (no per-thread copies and their address registers; the
-# per-thread copies' 64-byte rows read back with 4-way bank conflicts). H200, T=1,
-# bench/nvfp4_probe.py: 83.1 -> 71.1 us (128-deep TMA steps 80.4, 64 rows / 4 warps 73.3).
-DECODE_TMA = GemmConfig(8, 32, 256, 2, 3, swap=True)
+# With the TMA (sm_90+): 256-deep K steps whose words and block scales the TMA loads into
+# swizzled shared memory (no per-thread copies and their address registers; the per-thread
+# copies' 64-byte rows read back with 4-way bank conflicts), direct pairs' activations as one
+# row, and 16-row one-warp tiles (twice the programs; the smaller tile's shared memory now
+# fits them). H200, T=1, bench/nvfp4_probe.py: 83.1 us (DECODE) -> 71.2 (TMA, 32 rows / 2
+# warps) -> 68.7 (one activation row) -> 66.8 (16 rows / 1 warp; 512 deep 66.4, 4 stages 68.1).
+# Sorted blocks (more pairs than direct mode takes) keep 32 rows / 2 warps: T=64 1,092 us
+# against 1,207 with 16 rows (and 1,184 with DECODE's 128-deep steps).
+DECODE_TMA = GemmConfig(8, 16, 256, 1, 3, swap=True)
+DECODE_TMA_SORTED = GemmConfig(8, 32, 256, 2, 3, swap=True)
 
 
 def check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2):
@@ -108,7 +113,8 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr,
                       SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, TMA_W: tl.constexpr, TMA_S: tl.constexpr):
+                      GROUP_M: tl.constexpr, TMA_W: tl.constexpr, TMA_S: tl.constexpr,
+                      ONE_ROW: tl.constexpr):
     # As moe_bf16's kernel, with each weight tile decoded from NVFP4 on the fly (W4A16; w_ptr is
     # read as int32 words, strides in words) and 2^8 * the expert's global scale applied to the
     # FP32 accumulators. TMA_W / TMA_S: words / block scales by the TMA (w_desc, s_desc: 2-D
@@ -123,16 +129,21 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr,
     offs_kw = tl.arange(0, BLOCK_K // 8)
     offs_ks = tl.arange(0, BLOCK_K // 16)
     rows_n = offs_n.to(tl.int64)[:, None]
-    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    if ONE_ROW:  # a direct pair's one activation row (the MMA's other 7 token columns repeat
+        # it; their outputs are never stored)
+        a_row = pid_m // top_k if GATED else pid_m  # (direct: block pid_m is pair pid_m)
+        a_ptrs = a_ptr + a_row.to(tl.int64) * stride_am + offs_k[None, :]
+    else:
+        a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + offs_kw[None, :]
     s_ptrs = ws_ptr + expert * stride_se + rows_n * stride_sn + offs_ks[None, :]
     row_step_w, row_step_s = N * stride_wn, N * stride_sn  # gate row n -> up row N + n
+    scale_2 = tl.load(ws2_ptr + expert) * 256.0  # (before the loop: expert not live across it)
     acc, acc_up = nvfp4_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
                                GATED, EVEN_K, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
                                BLOCK_K, w_desc, s_desc,
                                (expert * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32),
-                               N, TMA_W, TMA_S)
-    scale_2 = tl.load(ws2_ptr + expert) * 256.0
+                               N, TMA_W, TMA_S, ONE_ROW)
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     if GATED:
         out = silu_mul(unswap(acc, SWAP) * scale_2, unswap(acc_up, SWAP) * scale_2, out_dtype)
@@ -183,14 +194,17 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
         ASM=use_asm(a.dtype), SIDE=nvfp4_side(cfg.swap, cfg.block_m),
         EVEN_K=k % cfg.block_k == 0, PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TMA_W=tma_w,
-        TMA_S=tma_s, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA_S=tma_s, ONE_ROW=tma_w and routing.direct,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def decode_config(k: int, tma: bool = True) -> GemmConfig:
-    """The decode launch shape of a GEMM over K: DECODE_TMA where the TMA can load its 256-deep
-    tiles, else DECODE."""
-    return DECODE_TMA if tma and k % DECODE_TMA.block_k == 0 else DECODE
+def decode_config(k: int, tma: bool = True, direct: bool = True) -> GemmConfig:
+    """The decode launch shape of a GEMM over K: where the TMA can load 256-deep tiles
+    DECODE_TMA (direct pairs) or DECODE_TMA_SORTED (sorted blocks), else DECODE."""
+    if not tma or k % DECODE_TMA.block_k:
+        return DECODE
+    return DECODE_TMA if direct else DECODE_TMA_SORTED
 
 
 def launch_configs(numel: int, experts: int, config13=None, config2=None, k13: int = 0,
@@ -201,7 +215,8 @@ def launch_configs(numel: int, experts: int, config13=None, config2=None, k13: i
     takes the given GEMM's block_m when the other is given (both GEMMs share one token
     sort)."""
     c13, c2 = configs_for(numel, experts, config13, config2)
-    d13, d2 = decode_config(k13, tma), decode_config(k2, tma)
+    direct = numel <= 1  # (the launcher passes 1 for direct pairs)
+    d13, d2 = decode_config(k13, tma, direct), decode_config(k2, tma, direct)
     if config13 is None and c13.swap:
         c13 = d13 if config2 is None else dataclasses.replace(d13, block_m=c2.block_m)
     if config2 is None and c2.swap:

@@ -121,12 +121,15 @@ def test_nvfp4_whole_k_tiles(dtype, t, direct, inner):
 @pytest.mark.parametrize("direct", [True, False])
 def test_nvfp4_tma_loads_match_per_thread_copies(dtype, direct):
     """Decode launch shapes over whole K tiles load the weight words (and over 256-deep tiles
-    the block scales too) by the TMA; the per-thread copies give the same bits. H = 256:
-    gate/up on DECODE_TMA (words and scales), I = 128: down on DECODE (words only); 3 tokens,
-    12 pairs, direct or sorted."""
+    the block scales too) by the TMA, direct pairs' activations as one row; the per-thread
+    copies give the same bits. H = 256: gate/up on DECODE_TMA (words and scales), I = 128:
+    down on DECODE (words only); 3 tokens, 12 pairs, direct or sorted."""
     args = _case("nvfp4", dtype, 3, seed=21, experts=6, shape=(256, 128))
     c13, c2 = moe_nvfp4.launch_configs(1, E, k13=256, k2=128, tma=True)
     assert (c13, c2) == (moe_nvfp4.DECODE_TMA, moe_nvfp4.DECODE)
+    assert moe_nvfp4.launch_configs(12, E, k13=256, k2=128, tma=True)[0] == \
+        moe_nvfp4.DECODE_TMA_SORTED  # sorted blocks: 32-row tiles
+    assert moe_nvfp4.launch_configs(1, E, k13=256, k2=128, tma=False)[0] == moe_nvfp4.DECODE
     assert moe_nvfp4.takes_tma(args[0], 256, c13, args[3], args[4]) == (True, True)
     assert moe_nvfp4.takes_tma(args[0], 128, c2, args[6], args[7]) == (True, False)
     assert moe_nvfp4.takes_tma(args[0], 80, c2, args[6], args[7]) == (False, False)  # K tail

@@ -24,7 +24,7 @@ from plugins.moe_fp8 import moe_fp8_triton
 from plugins.moe_nvfp4 import moe_nvfp4_triton
 from plugins.qk_prep import _launch_qk_prep
 from plugins.rmsnorm_fp8 import _launch_rmsnorm_fp8
-from sm90 import compile_instead_of_launch, in_loops, resource_usage, spill_bytes
+from sm90 import compile_instead_of_launch, in_loops, resource_usage, spill_bytes, spills_in_loops
 
 BEAM = PRESETS["beam-1.0-501b"]
 HQ, HKV, D, H = BEAM.num_attention_heads, BEAM.num_key_value_heads, BEAM.head_dim, BEAM.hidden_size
@@ -133,6 +133,13 @@ BUILDS = {
 }
 
 
+# Spills tolerated outside every loop: moe_nvfp4's TMA decode (one activation row for the
+# MMA's 8 token columns) keeps five epilogue values in local memory across its K loop, a few
+# loads a program (H200, T=1: 68.5 us against 71.5 with the 8-row activation tile, which
+# does not spill; docs/BENCHMARKS.md session 10).
+OUTSIDE_LOOP_SPILLS = {"_moe_nvfp4_kernel": 32}
+
+
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_kernels_compile_for_hopper_without_spills(build):
     with compile_instead_of_launch() as compiled:
@@ -141,7 +148,10 @@ def test_kernels_compile_for_hopper_without_spills(build):
     for name, kernel in compiled:
         # (local memory without spills is a stack frame: libdevice's sinf/cosf slow path)
         spilled = spill_bytes(kernel)
-        assert not spilled, f"{name} spills {spilled} bytes: {resource_usage(kernel)}"
+        allowed = OUTSIDE_LOOP_SPILLS.get(name, 0)
+        assert spilled <= allowed, f"{name} spills {spilled} bytes: {resource_usage(kernel)}"
+        if allowed:
+            assert not spills_in_loops(kernel), f"{name} spills inside its K loop"
         if name == "_decode_split_kernel":
             assert "cp.async.cg.shared.global" in kernel.asm["ptx"], "K/V loads not pipelined"
         if name == "_prefill_kernel":
