@@ -188,11 +188,20 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
 
 @triton.jit
 def load_nvfp4_tile(w_ptrs, s_ptrs, row_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    dtype: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr):
+                    dtype: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr, w_desc=None,
+                    s_desc=None, row=0, k0=0, TMA_W: tl.constexpr = False,
+                    TMA_S: tl.constexpr = False):
     """One whole K tile of weight rows `row_mask`: its words and E4M3 block scales (unmasked
-    along K, so both are wide enough for the pipelined async copies), decoded."""
-    words = tl.load(w_ptrs, mask=row_mask, other=0)
-    scales = tl.load(s_ptrs, mask=row_mask, other=0.0)
+    along K, so both are wide enough for the pipelined async copies), decoded. TMA_W / TMA_S:
+    the words / scales of rows [row, + BLOCK_N), K step k0, by the TMA from w_desc / s_desc."""
+    if TMA_W:
+        words = w_desc.load([row, k0 // 8])
+    else:
+        words = tl.load(w_ptrs, mask=row_mask, other=0)
+    if TMA_S:
+        scales = s_desc.load([row, k0 // 16])
+    else:
+        scales = tl.load(s_ptrs, mask=row_mask, other=0.0)
     return nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
 
 
@@ -212,14 +221,11 @@ def nvfp4_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, 
     [1, BLOCK_K] that every token column of the MMA takes (direct pairs, whose other columns
     are never stored: 1/8 of the activation tile's shared memory and copies).
     -> (acc, acc_up) as `_gemm.gemm_loop`."""
-    if TMA_W:
-        acc, acc_up = _tma_k_loop(a_ptrs, w_desc, s_desc, w_row0, up_rows, s_ptrs, valid,
-                                  n_mask, row_step_s, K, GATED, SWAP, ASM, SIDE, PRECISION,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, TMA_S, ONE_ROW)
-    elif EVEN_K:
+    if EVEN_K:  # (TMA_W is only given whole K tiles)
         acc, acc_up = _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s,
                                    K, GATED, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
-                                   BLOCK_K)
+                                   BLOCK_K, w_desc, s_desc, w_row0, up_rows, TMA_W, TMA_S,
+                                   ONE_ROW)
     else:
         acc, acc_up = _masked_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w,
                                      row_step_s, K, GATED, SWAP, ASM, SIDE, PRECISION, BLOCK_M,
@@ -231,50 +237,13 @@ def nvfp4_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, 
 def _even_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
                  GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, w_desc, s_desc, w_row0, up_rows, TMA_W: tl.constexpr,
+                 TMA_S: tl.constexpr, ONE_ROW: tl.constexpr):
     """K % BLOCK_K == 0: no K masks, so every tile (the scales too) is a copy wide enough for
-    the pipeliner's asynchronous copies (H200, T=1: 157.9 -> 125.5 us with the same decode)."""
-    dtype: tl.constexpr = a_ptrs.dtype.element_ty
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    for k0 in range(0, K, BLOCK_K):
-        a = nvfp4_activations(tl.load(a_ptrs, mask=valid[:, None], other=0.0), ASM, SIDE,
-                              BLOCK_M, BLOCK_K)
-        w = load_nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
-        acc = mma(acc, a, w, SWAP, PRECISION)
-        if GATED:
-            w_up = load_nvfp4_tile(w_ptrs + row_step_w, s_ptrs + row_step_s, n_mask[:, None],
-                                   BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
-            acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8
-        s_ptrs += BLOCK_K // 16
-    return acc, acc_up
-
-
-@triton.jit
-def _tma_tile(w_desc, s_desc, row, k0, s_ptrs, n_mask, dtype: tl.constexpr, ASM: tl.constexpr,
-              SIDE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              TMA_S: tl.constexpr):
-    """The decoded weight tile of rows [row, + BLOCK_N), K step k0: words by the TMA, block
-    scales by the TMA (TMA_S) or by per-thread copies from s_ptrs."""
-    words = w_desc.load([row, k0 // 8])
-    if TMA_S:
-        scales = s_desc.load([row, k0 // 16])
-    else:
-        scales = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
-    return nvfp4_tile(words, scales.to(tl.float32), BLOCK_N, BLOCK_K, dtype, ASM, SIDE)
-
-
-@triton.jit
-def _tma_k_loop(a_ptrs, w_desc, s_desc, w_row0, up_rows, s_ptrs, valid, n_mask, row_step_s, K,
-                GATED: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
-                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, TMA_S: tl.constexpr, ONE_ROW: tl.constexpr):
-    """`_even_k_loop` with the weight words (and with TMA_S the block scales) loaded by the
-    Hopper TMA from 2-D descriptors over all experts' rows: rows w_row0.. and, GATED, up_rows
-    further. No per-thread copies or their address registers, and the words land in swizzled
-    shared memory (the per-thread copies' rows of 64 bytes: 4-way bank conflicts)."""
+    the pipeliner's asynchronous copies (H200, T=1: 157.9 -> 125.5 us with the same decode),
+    or with TMA_W / TMA_S a TMA copy (no per-thread copies or their address registers, and the
+    words land in swizzled shared memory: the per-thread copies' 64-byte rows read back with
+    4-way bank conflicts)."""
     dtype: tl.constexpr = a_ptrs.dtype.element_ty
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
@@ -285,14 +254,16 @@ def _tma_k_loop(a_ptrs, w_desc, s_desc, w_row0, up_rows, s_ptrs, valid, n_mask, 
         else:
             a = nvfp4_activations(tl.load(a_ptrs, mask=valid[:, None], other=0.0), ASM, SIDE,
                                   BLOCK_M, BLOCK_K)
-        w = _tma_tile(w_desc, s_desc, w_row0, k0, s_ptrs, n_mask, dtype, ASM, SIDE, BLOCK_N,
-                      BLOCK_K, TMA_S)
+        w = load_nvfp4_tile(w_ptrs, s_ptrs, n_mask[:, None], BLOCK_N, BLOCK_K, dtype, ASM, SIDE,
+                            w_desc, s_desc, w_row0, k0, TMA_W, TMA_S)
         acc = mma(acc, a, w, SWAP, PRECISION)
         if GATED:
-            w_up = _tma_tile(w_desc, s_desc, w_row0 + up_rows, k0, s_ptrs + row_step_s, n_mask,
-                             dtype, ASM, SIDE, BLOCK_N, BLOCK_K, TMA_S)
+            w_up = load_nvfp4_tile(w_ptrs + row_step_w, s_ptrs + row_step_s, n_mask[:, None],
+                                   BLOCK_N, BLOCK_K, dtype, ASM, SIDE, w_desc, s_desc,
+                                   w_row0 + up_rows, k0, TMA_W, TMA_S)
             acc_up = mma(acc_up, a, w_up, SWAP, PRECISION)
         a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // 16
     return acc, acc_up
 
