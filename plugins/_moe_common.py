@@ -123,9 +123,9 @@ def fake_moe(x: torch.Tensor, topk_ids: torch.Tensor, *args, per_slot: bool = Fa
 TMA_MAX_BOX = 256  # rows or columns of one TMA copy (cuTensorMapEncodeTiled's boxDim limit)
 
 
-def has_tma(x: torch.Tensor) -> bool:
-    """Whether x's device has a TMA: sm_90+, or the CPU (Triton's interpreter emulates it)."""
-    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+def has_tma(device: torch.device) -> bool:
+    """Whether the device has a TMA: sm_90+, or the CPU (Triton's interpreter emulates it)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def tma_addressable(m: torch.Tensor) -> bool:

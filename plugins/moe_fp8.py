@@ -190,7 +190,7 @@ def takes_tma(x: torch.Tensor, routing: Routing, configs, *mats: torch.Tensor) -
         return False
     if any(max(c.block_m, c.block_n, c.block_k) > TMA_MAX_BOX or c.block_k < 16 for c in configs):
         return False
-    return has_tma(x) and all(tma_addressable(m) for m in mats)
+    return has_tma(x.device) and all(tma_addressable(m) for m in mats)
 
 
 def _descriptors(a, w, routing: Routing, cfg: GemmConfig, tma: bool):

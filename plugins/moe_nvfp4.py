@@ -170,7 +170,7 @@ def takes_tma(x: torch.Tensor, k: int, cfg: GemmConfig, w: torch.Tensor,
     if not cfg.swap or k % cfg.block_k or cfg.block_k < 32 or cfg.block_n > TMA_MAX_BOX \
             or cfg.block_k // 8 > TMA_MAX_BOX:
         return False, False
-    words = has_tma(x) and tma_addressable(w)
+    words = has_tma(x.device) and tma_addressable(w)
     return words, words and cfg.block_k % 256 == 0 and tma_addressable(w_scale)
 
 
@@ -239,7 +239,7 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
         return empty_output(x, topk_ids, x.dtype, per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2, x.dtype)
-    tma = tma and has_tma(x)
+    tma = tma and has_tma(x.device)
     c13, c2 = launch_configs(numel if not direct else 1, e, config13, config2, h, inner, tma)
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
     x = x.contiguous()

@@ -171,14 +171,14 @@ def moe_defaults(pairs: int, experts: int, fp8: bool = True, hidden: int = 0, in
     moe_nvfp4's launcher for these GEMM depths on this machine's GPU (moe_fp8's launcher swaps
     in its own prefill gate/up shape; the search times the launcher's real choice as the
     default and derives alternatives from these)."""
-    from plugins._moe_common import DIRECT_MAX_PAIRS, configs_for
+    from plugins._moe_common import DIRECT_MAX_PAIRS, configs_for, has_tma
     from plugins.moe_nvfp4 import launch_configs
 
     numel = 1 if pairs <= DIRECT_MAX_PAIRS else pairs
     if fp8:
         return configs_for(numel, experts, None, None)
-    tma = not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9
-    return launch_configs(numel, experts, k13=hidden, k2=inner, tma=tma)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return launch_configs(numel, experts, k13=hidden, k2=inner, tma=has_tma(device))
 
 
 def _moe_changes(d, fp8: bool) -> list[dict]:
