@@ -18,7 +18,7 @@ from _linear_testdata import linear_args
 from beam_trtllm.config import preset
 from kernels import time_graph_us
 from plugins import linear_nvfp4, moe_nvfp4
-from plugins._moe_common import GemmConfig
+from plugins._moe_common import GemmConfig, combine
 
 G = lambda bn, bk, nw, st, bm=16: GemmConfig(bm, bn, bk, nw, st, swap=True)  # noqa: E731
 SHAPES = [G(64, 128, 4, 4), G(32, 128, 2, 3), G(32, 128, 2, 4), G(16, 128, 1, 3),
@@ -55,6 +55,10 @@ def main():
                       help="gate/up at T=1 fused (one program: a gate and an up tile) against "
                       "gate and up tiles in separate programs (an ungated GEMM over 2I rows)")
     opts.add_argument("--no-linear", action="store_true", help="skip linear_nvfp4")
+    opts.add_argument("--combine", action="store_true",
+                      help="the default shapes with the combine in the down GEMM (the op's own "
+                      "way for direct pairs), as a separate combine launch, and left out "
+                      "(per_slot, as the engine runs it)")
     opts.add_argument("--split-probe", action="store_true",
                       help="what split-K would buy: each GEMM over half of K on twice the pairs")
     opts = opts.parse_args()
@@ -80,6 +84,13 @@ def main():
     floor = km.expert_bytes(packed, ids) / copy * 1e6
     print(f"moe_nvfp4 T={opts.tokens}: floor {floor:.1f} us")
     row("moe default", lambda: moe_nvfp4.moe_nvfp4_triton(*args), want, floor)
+    if opts.combine:
+        t = x.shape[0]
+        row("  combine launch after the down GEMM", lambda: combine(
+            moe_nvfp4.moe_nvfp4_triton(*args, per_slot=True).view(-1, x.shape[1]), w, t),
+            want, floor)
+        us = time_graph_us(lambda: moe_nvfp4.moe_nvfp4_triton(*args, per_slot=True))
+        print(f"{'  no combine (per_slot)':40s} {us:8.1f} us", flush=True)
     pairs = [(c, c) for c in SHAPES]
     if opts.shapes:  # "gate/up shape|down shape" or one shape for both
         pairs = [tuple(GemmConfig(*map(int, one.split(",")), swap=True)

@@ -197,6 +197,46 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr):
              mask=mask)
 
 
+# The down GEMM of direct pairs can combine as well, sparing the combine launch and its gap:
+# each program stores its (unweighted) y tile and then draws a ticket for its (token, column
+# tile); the one that draws the token's last ticket (so every other slot's tile is stored)
+# sums the slots in slot order exactly as _combine_kernel does (bit-equal) and puts the
+# counter back to zero for the next launch.
+@triton.jit
+def combine_if_last(y_ptr, w_ptr, out_ptr, tickets_ptr, token, tile, num_tiles, cols, mask,
+                    H, TOP_K: tl.constexpr):
+    """After this program stored y[token*TOP_K + j, cols] for its slot j: the combine of
+    out[token, cols] if it is the last of the token's TOP_K slots to do so."""
+    tl.debug_barrier()  # all of this program's y stores precede its ticket (a gpu-scope release)
+    ticket = tickets_ptr + token * num_tiles + tile
+    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
+        row = token.to(tl.int64)
+        acc = tl.zeros(cols.shape, dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # (unrolled: the slots' loads all in flight at once)
+            weight = tl.load(w_ptr + row * TOP_K + j)
+            y = tl.load(y_ptr + (row * TOP_K + j) * H + cols, mask=mask, other=0.0,
+                        cache_modifier=".cg")  # (other programs' stores: from L2)
+            acc += y.to(tl.float32) * weight
+        dtype: tl.constexpr = out_ptr.dtype.element_ty
+        tl.store(out_ptr + row * H + cols, round_to(acc, dtype).to(dtype), mask=mask)
+        tl.atomic_xchg(ticket, 0)
+
+
+_TICKETS: dict = {}
+
+
+def combine_tickets(device: torch.device, count: int) -> torch.Tensor:
+    """>= count zeroed int32 ticket counters for `combine_if_last`, one set per device and
+    stream (two launches running at once must not share them; the programs put back to zero
+    what they use, so the set stays zero between launches). Never freed: a CUDA graph keeps
+    the pointer it captured."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    sets = _TICKETS.setdefault((str(device), stream), [])
+    if not sets or sets[-1].numel() < count:
+        sets.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return sets[-1]
+
+
 def finish(y: torch.Tensor, topk_weights: torch.Tensor, t: int, per_slot: bool) -> torch.Tensor:
     """The down GEMM's per-slot outputs y [T*k, H] (row t*k + j: token t's j-th expert,
     unweighted) -> the op's output: combined [T, H], or with per_slot y itself as [T, k, H]

@@ -120,25 +120,53 @@ def _tile_per_byte(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
 def nvfp4_activations(a, ASM: tl.constexpr, SIDE: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     """The activations [BM, BK] in the K order of `nvfp4_tile`'s tiles: for the code-pair PTX
-    decode, position 8w + 2c + j holds k = 8w + c + 4j; otherwise K in order."""
+    decode, position 8w + 2c + j holds k = 8w + c + 4j; otherwise K in order. With
+    A_SIDE_PAIRS_ORDERED the activations were stored at `pairs_position` (their producer's
+    doing) and this is a register renaming (see there)."""
     if ASM and SIDE == A_SIDE_PAIRS:
         a = tl.permute(a.reshape(BLOCK_M, BLOCK_K // 8, 2, 4), (0, 1, 3, 2))
         a = a.reshape(BLOCK_M, BLOCK_K)
+    if SIDE == A_SIDE_PAIRS_ORDERED:
+        a = tl.permute(a.reshape(BLOCK_M, BLOCK_K // 64, 2, 4, 2, 2, 2), (0, 1, 5, 3, 2, 4, 6))
+        a = a.reshape(BLOCK_M, BLOCK_K)
     return a
+
+
+# Where a producer stores element k of an A_SIDE_PAIRS_ORDERED GEMM's activations (moe_nvfp4's
+# gate/up for its down GEMM): at d = the code-pair order's position of k (8w + 2c + j for
+# k = 8w + c + 4j), moved within its 64-element chunk so that the 4-byte pairs each mma.sync
+# takes as its B registers (Triton's kWidth-8 operand: thread t's pair r of the chunk's first
+# and second 32 elements, 8t + 2r and 32 + 8t + 2r) sit next to each other in one 16-byte
+# shared-memory load (chunk bits of d: pair-in-half h, thread t, pair r = 2 r1 + r0 -> stored
+# at r1, t, r0, h). nvfp4_activations undoes the move by a reshape/permute, a register
+# renaming, where unordered activations took a PRMT a register pair and ordered-but-unmoved
+# ones a register move (sm_90 SASS of moe_nvfp4's down GEMM at Beam shapes: 446 / 501 / 416
+# instructions a K step).
+@triton.jit
+def pairs_position(k):
+    d = (k & ~7) | ((k & 3) << 1) | ((k >> 2) & 1)
+    return (d & ~63) | (((d >> 2) & 1) << 5) | (d & 24) | (((d >> 1) & 1) << 2) \
+        | (((d >> 5) & 1) << 1) | (d & 1)
 
 
 # Which decoder a tile takes (the kernels' NVFP4_SIDE): the MMA's B side (prefill: the tile
 # goes to shared memory anyway), the A side byte by byte, or the A side in code pairs (cheaper
 # decode, activations permuted alike: a register permutation with 8-token tiles; with 16-token
 # tiles it cost more than it saved, H200 linear_nvfp4 M=64 [5120 -> 8240] 45.4 -> 55.9 us).
+# A_SIDE_PAIRS_ORDERED: code pairs, with the activations stored at `pairs_position` by their
+# producer (no pair-building from the activation tile).
 B_SIDE, A_SIDE_BYTES, A_SIDE_PAIRS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+A_SIDE_PAIRS_ORDERED = tl.constexpr(3)
 
 
-def nvfp4_side(swap: bool, block_m: int) -> int:
-    """The decoder of a launch shape: weights on the MMA's M side (swap) are its A operand."""
+def nvfp4_side(swap: bool, block_m: int, ordered: bool = False) -> int:
+    """The decoder of a launch shape: weights on the MMA's M side (swap) are its A operand.
+    ordered: the activations come in the code pairs' K order (`pairs_position`)."""
     if not swap:
         return B_SIDE.value
-    return (A_SIDE_PAIRS if block_m <= 8 else A_SIDE_BYTES).value
+    if block_m > 8:
+        return A_SIDE_BYTES.value
+    return (A_SIDE_PAIRS_ORDERED if ordered else A_SIDE_PAIRS).value
 
 
 @triton.jit
@@ -163,7 +191,7 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
     per_word = tl.join(scales, scales).reshape(BLOCK_N, BLOCK_K // 8)  # 2 words per 16-block
     if ASM:
         scale_bf16 = (per_word * 3.32306998946229e+35).to(tl.bfloat16)  # * 2^118 (exact)
-        if SIDE == A_SIDE_PAIRS:
+        if SIDE == A_SIDE_PAIRS or SIDE == A_SIDE_PAIRS_ORDERED:
             return _tile_code_pairs(words, scale_bf16, BLOCK_N, BLOCK_K)
         if SIDE == A_SIDE_BYTES:
             return _tile_per_byte(words, scale_bf16, BLOCK_N, BLOCK_K)
@@ -183,7 +211,11 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
     # tl.join adds a fastest-varying dim: this nesting flattens to o0, o1, ..., o7 per word.
     even = tl.join(tl.join(o0, o4), tl.join(o2, o6))
     odd = tl.join(tl.join(o1, o5), tl.join(o3, o7))
-    return tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
+    tile = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
+    if SIDE == A_SIDE_PAIRS_ORDERED:  # the activations come in the pairs' order: so must this
+        tile = tl.permute(tile.reshape(BLOCK_N, BLOCK_K // 8, 2, 4), (0, 1, 3, 2))
+        tile = tile.reshape(BLOCK_N, BLOCK_K)
+    return tile
 
 
 @triton.jit

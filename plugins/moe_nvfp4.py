@@ -34,10 +34,11 @@ from ._checks import _expect, check_device
 from ._gemm import dot_precision, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TMA_MAX_BOX, GemmConfig, Routing, block_tile, check_expert_weights,
-    check_ids_in_range, check_routing, check_tensor, configs_for, empty_output, fake_moe, finish,
-    has_tma, past_last_row, plan_routing, ref_moe, routing_ptrs, tma_addressable,
+    check_ids_in_range, check_routing, check_tensor, combine_if_last, combine_tickets,
+    configs_for, empty_output, fake_moe, finish, has_tma, past_last_row, plan_routing, ref_moe,
+    routing_ptrs, tma_addressable,
 )
-from ._tiles import nvfp4_k_loop, nvfp4_side
+from ._tiles import A_SIDE_PAIRS, nvfp4_k_loop, nvfp4_side, pairs_position
 from .registry import dispatch, register, triton_interpreted
 from .tuning import tuned_moe
 
@@ -59,6 +60,12 @@ DECODE = GemmConfig(8, 32, 128, 2, 3, swap=True)
 # against 1,207 with 16 rows (and 1,184 with DECODE's 128-deep steps).
 DECODE_TMA = GemmConfig(8, 16, 256, 1, 3, swap=True)
 DECODE_TMA_SORTED = GemmConfig(8, 32, 256, 2, 3, swap=True)
+# Direct pairs' gate/up over K % 512 == 0 (Beam: H = 5120) takes 512-deep steps on 32-row /
+# 2-warp tiles: half the loop's per-step TMA, barrier and stage bookkeeping a weight (gate/up
+# loop 821 SASS instructions per 256 deep -> 771); T=1 64.7-65.2 -> 63.1-63.8 us (16 rows /
+# 1 warp at 512: 63.5-64.0; 1024 deep: 82-91, it spills). The down GEMM stays at 256: its 2560
+# programs must fit one wave, and 512-deep stages do not (69.4 us).
+DECODE_TMA_GATE_UP = GemmConfig(8, 32, 512, 2, 3, swap=True)
 
 
 def check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2):
@@ -106,19 +113,23 @@ moe_nvfp4.register_fake(fake_moe)
 
 # ---------------------------------------------------------------------------- triton
 @triton.jit
-def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr,
-                      ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw_ptr, comb_ptr,
+                      tickets_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
                       numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
                       stride_sn, stride_om, GATED: tl.constexpr, DIRECT: tl.constexpr,
                       SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA_W: tl.constexpr, TMA_S: tl.constexpr,
-                      ONE_ROW: tl.constexpr):
+                      ONE_ROW: tl.constexpr, PAIRS_ORDER_OUT: tl.constexpr,
+                      COMBINE: tl.constexpr, TOP_K: tl.constexpr):
     # As moe_bf16's kernel, with each weight tile decoded from NVFP4 on the fly (W4A16; w_ptr is
     # read as int32 words, strides in words) and 2^8 * the expert's global scale applied to the
     # FP32 accumulators. TMA_W / TMA_S: words / block scales by the TMA (w_desc, s_desc: 2-D
     # over all experts' rows; an expert's rows start at expert * stride_we / stride_wn).
+    # PAIRS_ORDER_OUT (gate/up): h's columns stored in the code-pair decode's K order, which
+    # the down GEMM then takes as is (SIDE A_SIDE_PAIRS_ORDERED). COMBINE (down, direct pairs):
+    # the last program of a token's column tile also combines the token's slots into comb_ptr.
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
         return
@@ -145,14 +156,20 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr,
                                (expert * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32),
                                N, TMA_W, TMA_S, ONE_ROW)
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
+    out_cols = offs_n
     if GATED:
         out = silu_mul(unswap(acc, SWAP) * scale_2, unswap(acc_up, SWAP) * scale_2, out_dtype)
         out_rows = rows
+        if PAIRS_ORDER_OUT:
+            out_cols = pairs_position(offs_n)
     else:
         out = round_to(unswap(acc, SWAP) * scale_2, out_dtype)
         out_rows = slots
-    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + out_cols[None, :]
     tl.store(out_ptrs, out.to(out_dtype), mask=valid[:, None] & n_mask[None, :])
+    if COMBINE:  # (direct: block pid_m is pair pid_m of token pid_m // top_k)
+        combine_if_last(out_ptr, tw_ptr, comb_ptr, tickets_ptr, pid_m // TOP_K, pid_n,
+                        tl.cdiv(N, BLOCK_N), offs_n, n_mask, N, TOP_K)
 
 
 def use_asm(dtype: torch.dtype) -> bool:
@@ -180,30 +197,50 @@ def tma_descriptor(m: torch.Tensor, rows: int, cols: int):
     return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [rows, cols])
 
 
+def takes_pairs_order(cfg2: GemmConfig, inner: int) -> bool:
+    """Whether gate/up stores h at `pairs_position` for the down GEMM (launch shape cfg2) to
+    take as is: that GEMM decodes code pairs, and h's rows and its K tiles are whole 64-element
+    chunks (the positions move within those)."""
+    return (nvfp4_side(cfg2.swap, cfg2.block_m) == A_SIDE_PAIRS.value and inner % 64 == 0
+            and cfg2.block_k % 64 == 0)
+
+
 def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfig,
-          tma: bool):
+          tma: bool, pairs_order: bool = False, combine=None):
+    """One grouped GEMM launch. pairs_order: gate/up stores h in the code pairs' K order, down
+    takes it so. combine (down, direct pairs): (topk_weights, combined output [T, H]), which the
+    launch fills as well as `out`."""
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     words = w.view(torch.int32)  # [E, rows, K/8]: 8 codes a word
     tma_w, tma_s = takes_tma(a, k, cfg, w, ws) if tma else (False, False)
     w_desc = tma_descriptor(words, cfg.block_n, cfg.block_k // 8) if tma_w else None
     s_desc = tma_descriptor(ws, cfg.block_n, cfg.block_k // 16) if tma_s else None
+    tw, comb = combine if combine is not None else (None, None)
+    tickets = (combine_tickets(out.device, comb.shape[0] * triton.cdiv(n, cfg.block_n))
+               if combine is not None else None)
     _moe_nvfp4_kernel[grid](
-        a, words, w_desc, ws, s_desc, ws2, out, *routing_ptrs(routing), numel, top_k,
-        routing.m_blocks, n, k, a.stride(0), words.stride(0), words.stride(1), ws.stride(0),
-        ws.stride(1), out.stride(0), GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap,
-        ASM=use_asm(a.dtype), SIDE=nvfp4_side(cfg.swap, cfg.block_m),
+        a, words, w_desc, ws, s_desc, ws2, out, tw, comb, tickets, *routing_ptrs(routing), numel,
+        top_k, routing.m_blocks, n, k, a.stride(0), words.stride(0), words.stride(1),
+        ws.stride(0), ws.stride(1), out.stride(0), GATED=gated, DIRECT=routing.direct,
+        SWAP=cfg.swap, ASM=use_asm(a.dtype),
+        SIDE=nvfp4_side(cfg.swap, cfg.block_m, ordered=pairs_order and not gated),
         EVEN_K=k % cfg.block_k == 0, PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TMA_W=tma_w,
-        TMA_S=tma_s, ONE_ROW=tma_w and routing.direct,
+        TMA_S=tma_s, ONE_ROW=tma_w and routing.direct, PAIRS_ORDER_OUT=pairs_order and gated,
+        COMBINE=combine is not None, TOP_K=top_k if combine is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def decode_config(k: int, tma: bool = True, direct: bool = True) -> GemmConfig:
+def decode_config(k: int, tma: bool = True, direct: bool = True,
+                  gated: bool = False) -> GemmConfig:
     """The decode launch shape of a GEMM over K: where the TMA can load 256-deep tiles
-    DECODE_TMA (direct pairs) or DECODE_TMA_SORTED (sorted blocks), else DECODE."""
+    DECODE_TMA (direct pairs; DECODE_TMA_GATE_UP for gate/up over 512-deep ones) or
+    DECODE_TMA_SORTED (sorted blocks), else DECODE."""
     if not tma or k % DECODE_TMA.block_k:
         return DECODE
+    if direct and gated and k % DECODE_TMA_GATE_UP.block_k == 0:
+        return DECODE_TMA_GATE_UP
     return DECODE_TMA if direct else DECODE_TMA_SORTED
 
 
@@ -216,7 +253,7 @@ def launch_configs(numel: int, experts: int, config13=None, config2=None, k13: i
     sort)."""
     c13, c2 = configs_for(numel, experts, config13, config2)
     direct = numel <= 1  # (the launcher passes 1 for direct pairs)
-    d13, d2 = decode_config(k13, tma, direct), decode_config(k2, tma, direct)
+    d13, d2 = decode_config(k13, tma, direct, gated=True), decode_config(k2, tma, direct)
     if config13 is None and c13.swap:
         c13 = d13 if config2 is None else dataclasses.replace(d13, block_m=c2.block_m)
     if config2 is None and c2.swap:
@@ -244,7 +281,15 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
     x = x.contiguous()
     hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)
-    _gemm(x, w13, w13_scale, w13_scale_2, hbuf, routing, numel, top_k, inner, h, True, c13, tma)
+    pairs_order = takes_pairs_order(c2, inner)
+    _gemm(x, w13, w13_scale, w13_scale_2, hbuf, routing, numel, top_k, inner, h, True, c13, tma,
+          pairs_order)
     y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
-    _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2, tma)
+    if routing.direct and not per_slot:  # the down GEMM combines too: no combine launch
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+        _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2,
+              tma, pairs_order, combine=(topk_weights.contiguous(), out))
+        return out
+    _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2, tma,
+          pairs_order)
     return finish(y, topk_weights, t, per_slot)

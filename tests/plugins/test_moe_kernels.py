@@ -143,6 +143,60 @@ def test_nvfp4_tma_loads_match_per_thread_copies(dtype, direct):
     assert torch.equal(out, copies)
 
 
+def _pairs_position(k: torch.Tensor) -> torch.Tensor:
+    """plugins._tiles.pairs_position restated: k = 8w + c + 4j goes to d = 8w + 2c + j, then
+    d's bits within its 64-chunk (h, t, r1, r0, e) to (r1, t, r0, h, e)."""
+    d = (k & ~7) | ((k & 3) << 1) | ((k >> 2) & 1)
+    return ((d & ~63) | (((d >> 2) & 1) << 5) | (d & 24) | (((d >> 1) & 1) << 2)
+            | (((d >> 5) & 1) << 1) | (d & 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("direct", [True, False])
+def test_nvfp4_h_in_the_code_pairs_order(dtype, direct):
+    """With a code-pair down GEMM and I a multiple of 64, gate/up stores h at pairs_position
+    (a permutation within 64-column chunks): the same bits as h in order, moved; the op's
+    output (down taking h so) matches the reference. I = 48 keeps h in order."""
+    inner = 128
+    args = _case("nvfp4", dtype, 3, seed=31, experts=6, shape=(256, inner))
+    x, ids = args[0], args[1]
+    c13, c2 = moe_nvfp4.launch_configs(1 if direct else 12, E, k13=256, k2=inner, tma=True)
+    assert moe_nvfp4.takes_pairs_order(c2, inner) and not moe_nvfp4.takes_pairs_order(c2, 48)
+    assert not moe_nvfp4.takes_pairs_order(dataclasses.replace(c2, block_m=16), inner)
+    routing = _moe_common.plan_routing(ids, E, c13.block_m, direct)
+
+    def h_of(pairs_order):
+        h = torch.full((routing.rows, inner), float("nan"), dtype=dtype, device=x.device)
+        moe_nvfp4._gemm(x, *args[3:6], h, routing, ids.numel(), K, inner, 256, True, c13, True,
+                        pairs_order)
+        return h
+
+    pos = _pairs_position(torch.arange(inner))
+    assert torch.equal(pos.sort().values, torch.arange(inner))
+    plain, ordered = h_of(False), h_of(True)
+    used = plain[:, 0] == plain[:, 0]  # rows the sort filled (padding rows stay NaN in both)
+    assert torch.equal(ordered[used][:, pos.to(x.device)], plain[used])
+    out = moe_nvfp4.moe_nvfp4_triton(*args, direct=direct, config13=c13, config2=c2)
+    torch.testing.assert_close(out.cpu(), moe_nvfp4.ref_moe_nvfp4(*on_cpu(args)),
+                               **_tolerance("nvfp4", dtype))
+
+
+def test_nvfp4_down_gemm_combines_direct_pairs():
+    """Direct pairs: the down GEMM's last program of each (token, column tile) combines the
+    token's slots (no combine launch), bit for bit what the combine kernel makes of the
+    per-slot outputs; again at another top_k and token count, and every ticket counter is
+    back at zero after each call."""
+    for t, top_k, seed in ((3, K, 51), (5, 2, 52), (1, K, 53)):
+        x, _, _, *weights = _case("nvfp4", torch.bfloat16, t, seed=seed)
+        ids, w = random_routing(t, E, top_k, seed=seed)
+        args = (x, ids.to(x.device), w.to(x.device), *weights)
+        slots = moe_nvfp4.moe_nvfp4_triton(*args, direct=True, per_slot=True)
+        fused = moe_nvfp4.moe_nvfp4_triton(*args, direct=True)
+        assert torch.equal(fused, _moe_common.combine(slots.reshape(t * top_k, -1), args[2], t))
+        assert all(int(c.count_nonzero()) == 0 for sets in _moe_common._TICKETS.values()
+                   for c in sets)
+
+
 def test_single_token_and_empty_batch():
     args = _case("nvfp4", torch.bfloat16, 1, seed=9)
     kernel, ref = KERNELS["nvfp4"]
