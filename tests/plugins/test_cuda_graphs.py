@@ -49,3 +49,34 @@ def test_decode_step_replays_in_a_cuda_graph(window):
             # bitwise: with window 64 these starts read ring slots the case never wrote
             # (kernel_cases fills them with NaN), so some outputs are NaN, as in the reference
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_moe_nvfp4_combine_replays_in_a_cuda_graph(t):
+    """moe_nvfp4 on direct pairs combines in its down GEMM through ticket counters that its
+    programs put back to zero: captured once and replayed on new x and routing, it gives
+    the eager call's bits every time, and every ticket is back at zero after."""
+    from _moe_testdata import dense_experts, moe_args, pack_experts, random_routing
+    from plugins import _moe_common
+
+    e, k, h, inner = 8, 4, 256, 128
+    packed = pack_experts("nvfp4", *dense_experts(e, h, inner, seed=3))
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    ids, w = random_routing(t, e, k, seed=5)
+    args = tuple(a.cuda() for a in moe_args("nvfp4", x, ids, w, packed))
+    torch.ops.beam.moe_nvfp4(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.beam.moe_nvfp4(*args)
+    for seed in (6, 7, 8):
+        new_ids, new_w = random_routing(t, e, k, seed=seed)
+        args[0].copy_(torch.randn(t, h, generator=torch.Generator().manual_seed(seed)))
+        args[1].copy_(new_ids)
+        args[2].copy_(new_w)
+        graph.replay()
+        eager = torch.ops.beam.moe_nvfp4(*args)
+        assert torch.equal(captured, eager)
+        torch.cuda.synchronize()
+        assert all(int(c.count_nonzero()) == 0 for sets in _moe_common._TICKETS.values()
+                   for c in sets)
