@@ -62,9 +62,9 @@ DECODE_TMA = GemmConfig(8, 16, 256, 1, 3, swap=True)
 DECODE_TMA_SORTED = GemmConfig(8, 32, 256, 2, 3, swap=True)
 # Direct pairs' gate/up over K % 512 == 0 (Beam: H = 5120) takes 512-deep steps on 32-row /
 # 2-warp tiles: half the loop's per-step TMA, barrier and stage bookkeeping a weight (gate/up
-# loop 821 SASS instructions per 256 deep -> 771); T=1 64.7-65.2 -> 63.1-63.8 us (16 rows /
-# 1 warp at 512: 63.5-64.0; 1024 deep: 82-91, it spills). The down GEMM stays at 256: its 2560
-# programs must fit one wave, and 512-deep stages do not (69.4 us).
+# loop 821 SASS instructions a warp per 256 deep -> 746); T=1 64.7-65.2 -> 63.1-63.8 us (16
+# rows / 1 warp at 512: 63.5-64.0; 1024 deep: 82-91, it spills). The down GEMM stays at 256:
+# its 2560 programs must fit one wave, and 512-deep stages do not (69.4 us).
 DECODE_TMA_GATE_UP = GemmConfig(8, 32, 512, 2, 3, swap=True)
 
 
