@@ -184,23 +184,31 @@ def block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel, DIRECT: tl.c
 
 # ---------------------------------------------------------------------------- combine
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, H, top_k, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(0, top_k):
-        weight = tl.load(w_ptr + t * top_k + j)
-        y = tl.load(y_ptr + (t * top_k + j) * H + cols, mask=mask, other=0.0)
+def combine_row(y_ptr, w_ptr, out_ptr, row, cols, mask, H, TOP_K: tl.constexpr):
+    """out[row, cols] = sum_j float(y[row*TOP_K + j, cols]) * w[row, j], in slot order, FP32,
+    rounded once (unrolled: the slots' loads all in flight at once; y read from L2, as the
+    fused combine reads other programs' stores)."""
+    row = row.to(tl.int64)
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        weight = tl.load(w_ptr + row * TOP_K + j)
+        y = tl.load(y_ptr + (row * TOP_K + j) * H + cols, mask=mask, other=0.0,
+                    cache_modifier=".cg")
         acc += y.to(tl.float32) * weight
-    tl.store(out_ptr + t * H + cols, round_to(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * H + cols, round_to(acc, dtype).to(dtype), mask=mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    combine_row(y_ptr, w_ptr, out_ptr, tl.program_id(0), cols, cols < H, H, TOP_K)
 
 
 # The down GEMM of direct pairs can combine as well, sparing the combine launch and its gap:
 # each program stores its (unweighted) y tile and then draws a ticket for its (token, column
 # tile); the one that draws the token's last ticket (so every other slot's tile is stored)
-# sums the slots in slot order exactly as _combine_kernel does (bit-equal) and puts the
+# sums the slots with `combine_row`, as _combine_kernel does (bit-equal), and puts the
 # counter back to zero for the next launch.
 @triton.jit
 def combine_if_last(y_ptr, w_ptr, out_ptr, tickets_ptr, token, tile, num_tiles, cols, mask,
@@ -210,15 +218,7 @@ def combine_if_last(y_ptr, w_ptr, out_ptr, tickets_ptr, token, tile, num_tiles, 
     tl.debug_barrier()  # all of this program's y stores precede its ticket (a gpu-scope release)
     ticket = tickets_ptr + token * num_tiles + tile
     if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
-        row = token.to(tl.int64)
-        acc = tl.zeros(cols.shape, dtype=tl.float32)
-        for j in tl.static_range(TOP_K):  # (unrolled: the slots' loads all in flight at once)
-            weight = tl.load(w_ptr + row * TOP_K + j)
-            y = tl.load(y_ptr + (row * TOP_K + j) * H + cols, mask=mask, other=0.0,
-                        cache_modifier=".cg")  # (other programs' stores: from L2)
-            acc += y.to(tl.float32) * weight
-        dtype: tl.constexpr = out_ptr.dtype.element_ty
-        tl.store(out_ptr + row * H + cols, round_to(acc, dtype).to(dtype), mask=mask)
+        combine_row(y_ptr, w_ptr, out_ptr, token, cols, mask, H, TOP_K)
         tl.atomic_xchg(ticket, 0)
 
 
@@ -253,8 +253,8 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, t: int) -> torch.Tensor
     if t:
         block_h = min(1024, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_weights.contiguous(), out, h,
-                                                     topk_weights.shape[1], BLOCK_H=block_h,
-                                                     num_warps=4)
+                                                     TOP_K=topk_weights.shape[1],
+                                                     BLOCK_H=block_h, num_warps=4)
     return out
 
 

@@ -117,6 +117,14 @@ def _tile_per_byte(words, scales_bf16, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
+def _in_pairs_order(t, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[ROWS, BK] in K order -> the code-pair decode's K order (position 8w + 2c + j holds
+    k = 8w + c + 4j)."""
+    t = tl.permute(t.reshape(ROWS, BLOCK_K // 8, 2, 4), (0, 1, 3, 2))
+    return t.reshape(ROWS, BLOCK_K)
+
+
+@triton.jit
 def nvfp4_activations(a, ASM: tl.constexpr, SIDE: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     """The activations [BM, BK] in the K order of `nvfp4_tile`'s tiles: for the code-pair PTX
@@ -124,8 +132,7 @@ def nvfp4_activations(a, ASM: tl.constexpr, SIDE: tl.constexpr, BLOCK_M: tl.cons
     A_SIDE_PAIRS_ORDERED the activations were stored at `pairs_position` (their producer's
     doing) and this is a register renaming (see there)."""
     if ASM and SIDE == A_SIDE_PAIRS:
-        a = tl.permute(a.reshape(BLOCK_M, BLOCK_K // 8, 2, 4), (0, 1, 3, 2))
-        a = a.reshape(BLOCK_M, BLOCK_K)
+        a = _in_pairs_order(a, BLOCK_M, BLOCK_K)
     if SIDE == A_SIDE_PAIRS_ORDERED:
         a = tl.permute(a.reshape(BLOCK_M, BLOCK_K // 64, 2, 4, 2, 2, 2), (0, 1, 5, 3, 2, 4, 6))
         a = a.reshape(BLOCK_M, BLOCK_K)
@@ -213,8 +220,7 @@ def nvfp4_tile(words, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dtyp
     odd = tl.join(tl.join(o1, o5), tl.join(o3, o7))
     tile = tl.join(even, odd).reshape(BLOCK_N, BLOCK_K)
     if SIDE == A_SIDE_PAIRS_ORDERED:  # the activations come in the pairs' order: so must this
-        tile = tl.permute(tile.reshape(BLOCK_N, BLOCK_K // 8, 2, 4), (0, 1, 3, 2))
-        tile = tile.reshape(BLOCK_N, BLOCK_K)
+        tile = _in_pairs_order(tile, BLOCK_N, BLOCK_K)
     return tile
 
 
