@@ -91,6 +91,10 @@ def main():
             want, floor)
         us = time_graph_us(lambda: moe_nvfp4.moe_nvfp4_triton(*args, per_slot=True))
         print(f"{'  no combine (per_slot)':40s} {us:8.1f} us", flush=True)
+        row("  overlap off (down after all of gate/up)",
+            lambda: moe_nvfp4.moe_nvfp4_triton(*args, overlap=False), want, floor)
+        us = time_graph_us(lambda: moe_nvfp4.moe_nvfp4_triton(*args, per_slot=True, overlap=False))
+        print(f"{'  overlap off, per_slot':40s} {us:8.1f} us", flush=True)
     pairs = [(c, c) for c in SHAPES]
     if opts.shapes:  # "gate/up shape|down shape" or one shape for both
         pairs = [tuple(GemmConfig(*map(int, one.split(",")), swap=True)

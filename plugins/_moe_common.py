@@ -222,19 +222,68 @@ def combine_if_last(y_ptr, w_ptr, out_ptr, tickets_ptr, token, tile, num_tiles, 
         tl.atomic_xchg(ticket, 0)
 
 
-_TICKETS: dict = {}
+# Direct pairs' two GEMMs overlap: gate/up lets the down GEMM launch early (programmatic
+# dependent launch) and counts each pair's finished h tiles; a down program waits only for its
+# own pair's h, so the down GEMM's programs fill the SMs that gate/up's last programs leave idle
+# (its tail) instead of starting after the last of them. One counter a pair, each on its own
+# 128-byte line (waiting programs poll it); the last down program of a pair to get past the
+# wait puts both of its counters back to zero for the next launch.
+FLAG_STRIDE = tl.constexpr(32)
 
 
-def combine_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """>= count zeroed int32 ticket counters for `combine_if_last`, one set per device and
-    stream (two launches running at once must not share them; the programs put back to zero
-    what they use, so the set stays zero between launches). Never freed: a CUDA graph keeps
-    the pointer it captured."""
+@triton.jit
+def signal_ready(flags_ptr, pair):
+    """After this gate/up program stored its h tile of `pair`: count it (a gpu-scope release
+    after the barrier, so every thread's stores precede it)."""
+    tl.debug_barrier()
+    tl.atomic_add(flags_ptr + pair * FLAG_STRIDE, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_ready(flags_ptr, pair, count, SLEEP: tl.constexpr):
+    """Until `count` h tiles of `pair` are stored (gpu-scope acquire); SLEEP backs off between
+    polls (compiled only: the interpreter runs gate/up to the end first)."""
+    flag = flags_ptr + pair * FLAG_STRIDE
+    while tl.atomic_add(flag, 0, sem="acquire", scope="gpu") < count:
+        if SLEEP:
+            tl.inline_asm_elementwise("nanosleep.u32 200; // dummy $0", "=r", [],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def release_pair(flags_ptr, pair, programs, num_pairs):
+    """After this down program's wait: the last of the pair's `programs` to get here (so none
+    waits any more) zeroes the pair's counters."""
+    passed = flags_ptr + (num_pairs + pair) * FLAG_STRIDE
+    if tl.atomic_add(passed, 1, sem="relaxed", scope="gpu") == programs - 1:
+        tl.atomic_xchg(flags_ptr + pair * FLAG_STRIDE, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(passed, 0, sem="relaxed", scope="gpu")
+
+
+_COUNTERS: dict = {}
+
+
+def sync_counters(device: torch.device, count: int, kind: str = "combine") -> torch.Tensor:
+    """>= count zeroed int32 counters of one `kind` ("combine": `combine_if_last`'s tickets;
+    "pairs": the overlap's per-pair counters, FLAG_STRIDE apart), one set per device and stream
+    (two launches running at once must not share them; the programs put back to zero what they
+    use, so the set stays zero between launches). Never freed: a CUDA graph keeps the pointer
+    it captured."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    sets = _TICKETS.setdefault((str(device), stream), [])
+    sets = _COUNTERS.setdefault((str(device), stream, kind), [])
     if not sets or sets[-1].numel() < count:
         sets.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
     return sets[-1]
+
+
+def combine_tickets(device: torch.device, count: int) -> torch.Tensor:
+    return sync_counters(device, count, "combine")
+
+
+def pair_flags(device: torch.device, pairs: int) -> torch.Tensor:
+    """The overlap's counters for `pairs` direct pairs: h tiles stored, then down programs past
+    the wait."""
+    return sync_counters(device, 2 * pairs * FLAG_STRIDE.value, "pairs")
 
 
 def finish(y: torch.Tensor, topk_weights: torch.Tensor, t: int, per_slot: bool) -> torch.Tensor:

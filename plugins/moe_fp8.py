@@ -40,10 +40,10 @@ from ._gemm import gemm_loop, round_to, silu_mul, tile_of, tma_gemm_loop, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, TMA_MAX_BOX, GemmConfig, Routing, block_tile,
     check_expert_weights, check_ids_in_range, check_routing, check_tensor, configs_for,
-    empty_output, finish, has_tma, past_last_row, plan_routing, ref_moe, routing_ptrs, tail_ptrs,
-    tma_addressable,
+    empty_output, finish, has_tma, pair_flags, past_last_row, plan_routing, ref_moe, release_pair,
+    routing_ptrs, signal_ready, tail_ptrs, tma_addressable, wait_ready,
 )
-from .registry import dispatch, register
+from .registry import dispatch, register, triton_interpreted
 from .tuning import tuned_moe
 
 OP = "moe_fp8"
@@ -109,12 +109,13 @@ def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_sca
 # ---------------------------------------------------------------------------- triton
 @triton.jit
 def _moe_fp8_kernel(a_ptr, a_desc, a_tail_desc, a_scale_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
-                    out_scale_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-                    block_start_ptr, block_rows_ptr, numel, top_k, num_m, N, K, stride_am,
-                    stride_we, stride_wn, stride_se, stride_om, ACT: tl.constexpr,
-                    GATED: tl.constexpr, DIRECT: tl.constexpr, SWAP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, TAIL_M: tl.constexpr, TMA: tl.constexpr):
+                    out_scale_ptr, flags_ptr, ready_count, ids_ptr, sorted_ptr,
+                    block_expert_ptr, num_rows_ptr, block_start_ptr, block_rows_ptr, numel,
+                    top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se, stride_om,
+                    ACT: tl.constexpr, GATED: tl.constexpr, DIRECT: tl.constexpr,
+                    SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TAIL_M: tl.constexpr,
+                    TMA: tl.constexpr, OVERLAP: tl.constexpr, PDL: tl.constexpr):
     # FP8 x FP8 on the tensor cores, promoted to FP32 every BLOCK_K, then * a_scale * w_scale[n].
     # GATED: h = silu(gate) * up (rounded to ACT as the reference), stored as FP8 codes of
     # h / out_scale (the down projection's static input scale). Else y[slot] in out's dtype.
@@ -122,15 +123,24 @@ def _moe_fp8_kernel(a_ptr, a_desc, a_tail_desc, a_scale_ptr, w_ptr, w_desc, ws_p
     # tile with the weights on the MMA's M side.
     # TMA (tail-block layouts only): activation rows already in sorted order (a_ptr is indexed
     # by sorted row) and weights as [E * N_total, K], all loaded by the TMA.
+    # OVERLAP (direct pairs): the down GEMM launches early (PDL) and each of its programs waits
+    # for its pair's h tiles, which gate/up counts in flags_ptr (_moe_common).
+    if OVERLAP and GATED and PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if TAIL_M == 0:
         if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
             return
         tile = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N,
                           GATED, DIRECT, BLOCK_M, BLOCK_N)
+        if OVERLAP and not GATED:  # (direct: block pid_m is pair pid_m)
+            wait_ready(flags_ptr, pid_m, ready_count, PDL)
+            release_pair(flags_ptr, pid_m, tl.cdiv(N, BLOCK_N), num_m)
         _fp8_tile(tile, a_ptr, a_desc, 0, a_scale_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
                   out_scale_ptr, N, K, stride_am, stride_we, stride_wn, stride_se, stride_om, ACT,
                   GATED, SWAP, False, BLOCK_M, BLOCK_N, BLOCK_K)
+        if OVERLAP and GATED:
+            signal_ready(flags_ptr, pid_m)
     else:
         if tl.load(block_expert_ptr + pid_m) < 0:  # idle block
             return
@@ -207,25 +217,33 @@ def _descriptors(a, w, routing: Routing, cfg: GemmConfig, tma: bool):
 
 
 def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, k, gated,
-          act, cfg: GemmConfig, tma: bool = False):
+          act, cfg: GemmConfig, tma: bool = False, overlap=None):
+    """One grouped GEMM launch. overlap (direct pairs): (the pair counters, gate/up's column
+    tiles a pair); both GEMMs then run pair by pair and the down GEMM launches early."""
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     a_desc, a_tail_desc, w_desc = _descriptors(a, w, routing, cfg, tma)
+    flags, ready_count = overlap if overlap is not None else (None, 0)
+    pdl = overlap is not None and not triton_interpreted()
     _moe_fp8_kernel[grid](
-        a, a_desc, a_tail_desc, a_scale, w, w_desc, ws, out, out_scale, *routing_ptrs(routing),
+        a, a_desc, a_tail_desc, a_scale, w, w_desc, ws, out, out_scale, flags, ready_count,
+        *routing_ptrs(routing),
         *tail_ptrs(routing), numel, top_k, routing.m_blocks, n, k, a.stride(0), w.stride(0),
         w.stride(1), ws.stride(0), out.stride(0), ACT=TL_DTYPES[act], GATED=gated,
         DIRECT=routing.direct, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TAIL_M=routing.tail_m, TMA=tma,
+        BLOCK_K=cfg.block_k, GROUP_M=1 if overlap is not None else cfg.group_m,
+        TAIL_M=routing.tail_m, TMA=tma, OVERLAP=overlap is not None, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl and not gated else {}),
     )
 
 
 @register(OP, "triton")
 def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
-                   out_dtype=None, direct=None, config13=None, config2=None, tma=None, *,
-                   per_slot: bool = False):
+                   out_dtype=None, direct=None, config13=None, config2=None, tma=None,
+                   overlap=True, *, per_slot: bool = False):
     """Launcher. `direct` / `config*` / `tma` override the launch choices (tests and bench/
-    only; `tma` needs a tail-block layout)."""
+    only; `tma` needs a tail-block layout); overlap=False runs direct pairs' down GEMM after
+    all of gate/up."""
     e, inner, act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
                                   a13_scale, a2_scale, out_dtype)
     t, h = x.shape
@@ -248,9 +266,11 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
     else:
         xq = x.contiguous() if x.dtype in FP8 else quant_fp8_per_tensor(x, a13_scale)
     hq = torch.empty((routing.rows, inner), dtype=FP8[0], device=x.device)
+    overlap = ((pair_flags(x.device, numel), triton.cdiv(inner, c13.block_n))
+               if overlap and routing.direct else None)
     _gemm(xq, a13_scale, w13, w13_scale, hq, a2_scale, routing, numel, top_k, inner, h, True,
-          act, c13, tma)
+          act, c13, tma, overlap)
     y = torch.empty((numel, h), dtype=act, device=x.device)
     _gemm(hq, a2_scale, w2, w2_scale, y, a2_scale, routing, numel, top_k, h, inner, False,
-          act, c2, tma)
+          act, c2, tma, overlap)
     return finish(y, topk_weights, t, per_slot)

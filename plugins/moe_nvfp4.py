@@ -35,8 +35,8 @@ from ._gemm import dot_precision, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TMA_MAX_BOX, GemmConfig, Routing, block_tile, check_expert_weights,
     check_ids_in_range, check_routing, check_tensor, combine_if_last, combine_tickets,
-    configs_for, empty_output, fake_moe, finish, has_tma, past_last_row, plan_routing, ref_moe,
-    routing_ptrs, tma_addressable,
+    configs_for, empty_output, fake_moe, finish, has_tma, pair_flags, past_last_row,
+    plan_routing, ref_moe, release_pair, routing_ptrs, signal_ready, tma_addressable, wait_ready,
 )
 from ._tiles import A_SIDE_PAIRS, nvfp4_k_loop, nvfp4_side, pairs_position
 from .registry import dispatch, register, triton_interpreted
@@ -114,15 +114,17 @@ moe_nvfp4.register_fake(fake_moe)
 # ---------------------------------------------------------------------------- triton
 @triton.jit
 def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw_ptr, comb_ptr,
-                      tickets_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-                      numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn, stride_se,
+                      tickets_ptr, flags_ptr, ready_count, ids_ptr, sorted_ptr, block_expert_ptr,
+                      num_rows_ptr, numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn,
+                      stride_se,
                       stride_sn, stride_om, GATED: tl.constexpr, DIRECT: tl.constexpr,
                       SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA_W: tl.constexpr, TMA_S: tl.constexpr,
                       ONE_ROW: tl.constexpr, PAIRS_ORDER_OUT: tl.constexpr,
-                      COMBINE: tl.constexpr, TOP_K: tl.constexpr):
+                      COMBINE: tl.constexpr, TOP_K: tl.constexpr, OVERLAP: tl.constexpr,
+                      PDL: tl.constexpr):
     # As moe_bf16's kernel, with each weight tile decoded from NVFP4 on the fly (W4A16; w_ptr is
     # read as int32 words, strides in words) and 2^8 * the expert's global scale applied to the
     # FP32 accumulators. TMA_W / TMA_S: words / block scales by the TMA (w_desc, s_desc: 2-D
@@ -130,6 +132,10 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw
     # PAIRS_ORDER_OUT (gate/up): h's columns stored in the code-pair decode's K order, which
     # the down GEMM then takes as is (SIDE A_SIDE_PAIRS_ORDERED). COMBINE (down, direct pairs):
     # the last program of a token's column tile also combines the token's slots into comb_ptr.
+    # OVERLAP (direct pairs): gate/up counts each pair's stored h tiles in flags_ptr, the down
+    # GEMM (launched early with PDL) waits for ready_count of its pair's (_moe_common).
+    if OVERLAP and GATED and PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
         return
@@ -150,6 +156,9 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw
     s_ptrs = ws_ptr + expert * stride_se + rows_n * stride_sn + offs_ks[None, :]
     row_step_w, row_step_s = N * stride_wn, N * stride_sn  # gate row n -> up row N + n
     scale_2 = tl.load(ws2_ptr + expert) * 256.0  # (before the loop: expert not live across it)
+    if OVERLAP and not GATED:  # (direct: block pid_m is pair pid_m)
+        wait_ready(flags_ptr, pid_m, ready_count, PDL)
+        release_pair(flags_ptr, pid_m, tl.cdiv(N, BLOCK_N), num_m)
     acc, acc_up = nvfp4_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
                                GATED, EVEN_K, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
                                BLOCK_K, w_desc, s_desc,
@@ -167,6 +176,8 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw
         out_rows = slots
     out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + out_cols[None, :]
     tl.store(out_ptrs, out.to(out_dtype), mask=valid[:, None] & n_mask[None, :])
+    if OVERLAP and GATED:
+        signal_ready(flags_ptr, pid_m)
     if COMBINE:  # (direct: block pid_m is pair pid_m of token pid_m // top_k)
         combine_if_last(out_ptr, tw_ptr, comb_ptr, tickets_ptr, pid_m // TOP_K, pid_n,
                         tl.cdiv(N, BLOCK_N), offs_n, n_mask, N, TOP_K)
@@ -206,10 +217,11 @@ def takes_pairs_order(cfg2: GemmConfig, inner: int) -> bool:
 
 
 def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfig,
-          tma: bool, pairs_order: bool = False, combine=None):
+          tma: bool, pairs_order: bool = False, combine=None, overlap=None):
     """One grouped GEMM launch. pairs_order: gate/up stores h in the code pairs' K order, down
     takes it so. combine (down, direct pairs): (topk_weights, combined output [T, H]), which the
-    launch fills as well as `out`."""
+    launch fills as well as `out`. overlap (direct pairs): (the pair counters, gate/up's
+    column tiles a pair); both GEMMs then run pair by pair and the down GEMM launches early."""
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     words = w.view(torch.int32)  # [E, rows, K/8]: 8 codes a word
     tma_w, tma_s = takes_tma(a, k, cfg, w, ws) if tma else (False, False)
@@ -218,17 +230,22 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
     tw, comb = combine if combine is not None else (None, None)
     tickets = (combine_tickets(out.device, comb.shape[0] * triton.cdiv(n, cfg.block_n))
                if combine is not None else None)
+    flags, ready_count = overlap if overlap is not None else (None, 0)
+    pdl = overlap is not None and not triton_interpreted()
     _moe_nvfp4_kernel[grid](
-        a, words, w_desc, ws, s_desc, ws2, out, tw, comb, tickets, *routing_ptrs(routing), numel,
+        a, words, w_desc, ws, s_desc, ws2, out, tw, comb, tickets, flags, ready_count,
+        *routing_ptrs(routing), numel,
         top_k, routing.m_blocks, n, k, a.stride(0), words.stride(0), words.stride(1),
         ws.stride(0), ws.stride(1), out.stride(0), GATED=gated, DIRECT=routing.direct,
         SWAP=cfg.swap, ASM=use_asm(a.dtype),
         SIDE=nvfp4_side(cfg.swap, cfg.block_m, ordered=pairs_order and not gated),
         EVEN_K=k % cfg.block_k == 0, PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, TMA_W=tma_w,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=1 if overlap is not None else cfg.group_m, TMA_W=tma_w,
         TMA_S=tma_s, ONE_ROW=tma_w and routing.direct, PAIRS_ORDER_OUT=pairs_order and gated,
         COMBINE=combine is not None, TOP_K=top_k if combine is not None else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        OVERLAP=overlap is not None, PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl and not gated else {}),
     )
 
 
@@ -263,10 +280,11 @@ def launch_configs(numel: int, experts: int, config13=None, config2=None, k13: i
 
 @register(OP, "triton")
 def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale,
-                     w2_scale_2, direct=None, config13=None, config2=None, tma=True, *,
-                     per_slot: bool = False):
+                     w2_scale_2, direct=None, config13=None, config2=None, tma=True,
+                     overlap=True, *, per_slot: bool = False):
     """Launcher. `direct` / `config*` override the launch choices, tma=False turns the TMA
-    loads off (tests and bench/ only)."""
+    loads off, overlap=False runs direct pairs' down GEMM after all of gate/up (tests and
+    bench/ only)."""
     e, inner = check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
                                w2_scale, w2_scale_2)
     t, h = x.shape
@@ -282,14 +300,16 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     x = x.contiguous()
     hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)
     pairs_order = takes_pairs_order(c2, inner)
+    overlap = ((pair_flags(x.device, numel), triton.cdiv(inner, c13.block_n))
+               if overlap and routing.direct else None)
     _gemm(x, w13, w13_scale, w13_scale_2, hbuf, routing, numel, top_k, inner, h, True, c13, tma,
-          pairs_order)
+          pairs_order, overlap=overlap)
     y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
     if routing.direct and not per_slot:  # the down GEMM combines too: no combine launch
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
         _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2,
-              tma, pairs_order, combine=(topk_weights.contiguous(), out))
+              tma, pairs_order, combine=(topk_weights.contiguous(), out), overlap=overlap)
         return out
     _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2, tma,
-          pairs_order)
+          pairs_order, overlap=overlap)
     return finish(y, topk_weights, t, per_slot)

@@ -78,5 +78,5 @@ def test_moe_nvfp4_combine_replays_in_a_cuda_graph(t):
         eager = torch.ops.beam.moe_nvfp4(*args)
         assert torch.equal(captured, eager)
         torch.cuda.synchronize()
-        assert all(int(c.count_nonzero()) == 0 for sets in _moe_common._TICKETS.values()
+        assert all(int(c.count_nonzero()) == 0 for sets in _moe_common._COUNTERS.values()
                    for c in sets)

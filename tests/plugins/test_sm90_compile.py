@@ -166,6 +166,9 @@ def test_kernels_compile_for_hopper_without_spills(build):
                 f"{name} stages the decoded tile in shared memory ({stores} stores, {mmas} MMAs)"
         if build == "nvfp4-decode" and name == "_moe_nvfp4_kernel":  # words by the TMA
             assert in_loops(kernel, r"\bUTMALDG\b"), f"{name}: weight words not loaded by the TMA"
+            # direct pairs overlap the GEMMs: gate/up lets the down GEMM launch early (PDL)
+            gated = "griddepcontrol.launch_dependents" in kernel.asm["ptx"]
+            assert gated != kernel.metadata.launch_pdl, f"{name}: GEMMs not overlapped"
         if name in ("_linear_fp8_kernel", "_moe_fp8_kernel"):  # swap-AB: weights on wgmma's M
             assert "warp_group_dot" in kernel.asm["ttgir"], f"{name} does not use wgmma"
         if build == "moe-fp8-prefill" and name == "_moe_fp8_kernel":  # TMA loads, no cp.async
