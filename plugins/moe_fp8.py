@@ -40,10 +40,10 @@ from ._gemm import gemm_loop, round_to, silu_mul, tile_of, tma_gemm_loop, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, TMA_MAX_BOX, GemmConfig, Routing, block_tile,
     check_expert_weights, check_ids_in_range, check_routing, check_tensor, configs_for,
-    empty_output, finish, has_tma, pair_flags, past_last_row, plan_routing, ref_moe, release_pair,
-    routing_ptrs, signal_ready, tail_ptrs, tma_addressable, wait_ready,
+    empty_output, finish, has_pdl, has_tma, pair_flags, past_last_row, plan_routing, ref_moe,
+    release_pair, routing_ptrs, signal_ready, tail_ptrs, tma_addressable, wait_ready,
 )
-from .registry import dispatch, register, triton_interpreted
+from .registry import dispatch, register
 from .tuning import tuned_moe
 
 OP = "moe_fp8"
@@ -223,7 +223,7 @@ def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, 
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     a_desc, a_tail_desc, w_desc = _descriptors(a, w, routing, cfg, tma)
     flags, ready_count = overlap if overlap is not None else (None, 0)
-    pdl = overlap is not None and not triton_interpreted()
+    pdl = overlap is not None and has_pdl(a.device)
     _moe_fp8_kernel[grid](
         a, a_desc, a_tail_desc, a_scale, w, w_desc, ws, out, out_scale, flags, ready_count,
         *routing_ptrs(routing),

@@ -35,7 +35,7 @@ from ._gemm import dot_precision, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TMA_MAX_BOX, GemmConfig, Routing, block_tile, check_expert_weights,
     check_ids_in_range, check_routing, check_tensor, combine_if_last, combine_tickets,
-    configs_for, empty_output, fake_moe, finish, has_tma, pair_flags, past_last_row,
+    configs_for, empty_output, fake_moe, finish, has_pdl, has_tma, pair_flags, past_last_row,
     plan_routing, ref_moe, release_pair, routing_ptrs, signal_ready, tma_addressable, wait_ready,
 )
 from ._tiles import A_SIDE_PAIRS, nvfp4_k_loop, nvfp4_side, pairs_position
@@ -231,7 +231,7 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
     tickets = (combine_tickets(out.device, comb.shape[0] * triton.cdiv(n, cfg.block_n))
                if combine is not None else None)
     flags, ready_count = overlap if overlap is not None else (None, 0)
-    pdl = overlap is not None and not triton_interpreted()
+    pdl = overlap is not None and has_pdl(a.device)
     _moe_nvfp4_kernel[grid](
         a, words, w_desc, ws, s_desc, ws2, out, tw, comb, tickets, flags, ready_count,
         *routing_ptrs(routing), numel,
