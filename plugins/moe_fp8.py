@@ -226,10 +226,9 @@ def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, 
     pdl = overlap is not None and has_pdl(a.device)
     _moe_fp8_kernel[grid](
         a, a_desc, a_tail_desc, a_scale, w, w_desc, ws, out, out_scale, flags, ready_count,
-        *routing_ptrs(routing),
-        *tail_ptrs(routing), numel, top_k, routing.m_blocks, n, k, a.stride(0), w.stride(0),
-        w.stride(1), ws.stride(0), out.stride(0), ACT=TL_DTYPES[act], GATED=gated,
-        DIRECT=routing.direct, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        *routing_ptrs(routing), *tail_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
+        a.stride(0), w.stride(0), w.stride(1), ws.stride(0), out.stride(0), ACT=TL_DTYPES[act],
+        GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=1 if overlap is not None else cfg.group_m,
         TAIL_M=routing.tail_m, TMA=tma, OVERLAP=overlap is not None, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
