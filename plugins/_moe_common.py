@@ -293,6 +293,14 @@ def pair_flags(device: torch.device, pairs: int) -> torch.Tensor:
     return sync_counters(device, 2 * pairs * FLAG_STRIDE.value, "pairs")
 
 
+def prepare_counters(device: torch.device) -> None:
+    """Make the current stream's counters now (both kinds, sized for any direct-pair call):
+    made by a first call inside a CUDA-graph capture, their zeroing would be part of every
+    replay (and of a launch count)."""
+    combine_tickets(device, 1)
+    pair_flags(device, DIRECT_MAX_PAIRS)
+
+
 def finish(y: torch.Tensor, topk_weights: torch.Tensor, t: int, per_slot: bool) -> torch.Tensor:
     """The down GEMM's per-slot outputs y [T*k, H] (row t*k + j: token t's j-th expert,
     unweighted) -> the op's output: combined [T, H], or with per_slot y itself as [T, k, H]

@@ -71,7 +71,8 @@ class DecodeGraphs:
                     self.model.forward(inputs)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):  # (the warm-up's stream:
+                # per-stream buffers such as the MoE ops' counters exist for it already)
                 out = self.model.forward(inputs)
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize(self.device)

@@ -104,6 +104,7 @@ class BeamModel:
         self.cfg, self.kv = cfg, kv
         self.ops = _ops()
         from plugins._common import sm_count
+        from plugins._moe_common import prepare_counters
         from plugins._rope import rope_inv_freq
 
         device = weights["model.embed_tokens.weight"].device
@@ -111,6 +112,8 @@ class BeamModel:
         # qk_prep's RoPE table, made now: made by a first call inside a CUDA-graph capture, its
         # two small kernels would be part of every replay
         rope_inv_freq(cfg.rope_theta, cfg.head_dim, device)
+        prepare_counters(device)  # the MoE ops' counters of this stream, likewise (graphs.py
+        # captures on its warm-up stream, whose counters the warm-up makes)
         take = _Taker(weights)
         self.embed = take("model.embed_tokens.weight")
         self.layers = [self._layer(take, layer_plan.get(f"layer{i}", {}), i)
