@@ -126,7 +126,6 @@ def main():
             lambda: linear_nvfp4.linear_nvfp4_triton(*largs, config=c), want, floor)
 
 
-
 def hot_args(args, cfg):
     """moe_nvfp4's arguments with every expert's weights and scales read from expert 0's
     (`one_expert`); the launcher's checks are skipped from here on (stride-0 views are not

@@ -247,30 +247,26 @@ def signal_ready(flags_ptr, pair):
 
 
 @triton.jit
-def wait_ready(flags_ptr, pair, count, SLEEP: tl.constexpr):
-    """Until `count` h tiles of `pair` are stored (gpu-scope acquire); SLEEP backs off between
-    polls (compiled only: the interpreter runs gate/up to the end first)."""
+def wait_for_pair(flags_ptr, pair, count, programs, num_pairs, SLEEP: tl.constexpr):
+    """Until `count` h tiles of `pair` are stored (gpu-scope acquire; SLEEP backs off between
+    polls, compiled only: the interpreter runs gate/up to the end first). Then the last of the
+    pair's `programs` to get past the wait (so none waits any more) zeroes the pair's
+    counters."""
     flag = flags_ptr + pair * FLAG_STRIDE
     while tl.atomic_add(flag, 0, sem="acquire", scope="gpu") < count:
         if SLEEP:
             tl.inline_asm_elementwise("nanosleep.u32 200; // dummy $0", "=r", [],
                                       dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def release_pair(flags_ptr, pair, programs, num_pairs):
-    """After this down program's wait: the last of the pair's `programs` to get here (so none
-    waits any more) zeroes the pair's counters."""
     passed = flags_ptr + (num_pairs + pair) * FLAG_STRIDE
     if tl.atomic_add(passed, 1, sem="relaxed", scope="gpu") == programs - 1:
-        tl.atomic_xchg(flags_ptr + pair * FLAG_STRIDE, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(flag, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(passed, 0, sem="relaxed", scope="gpu")
 
 
 _COUNTERS: dict = {}
 
 
-def sync_counters(device: torch.device, count: int, kind: str = "combine") -> torch.Tensor:
+def sync_counters(device: torch.device, count: int, kind: str) -> torch.Tensor:
     """>= count zeroed int32 counters of one `kind` ("combine": `combine_if_last`'s tickets;
     "pairs": the overlap's per-pair counters, FLAG_STRIDE apart), one set per device and stream
     (two launches running at once must not share them; the programs put back to zero what they
@@ -284,6 +280,7 @@ def sync_counters(device: torch.device, count: int, kind: str = "combine") -> to
 
 
 def combine_tickets(device: torch.device, count: int) -> torch.Tensor:
+    """>= count zeroed tickets for `combine_if_last` (this stream's)."""
     return sync_counters(device, count, "combine")
 
 
@@ -291,6 +288,23 @@ def pair_flags(device: torch.device, pairs: int) -> torch.Tensor:
     """The overlap's counters for `pairs` direct pairs: h tiles stored, then down programs past
     the wait."""
     return sync_counters(device, 2 * pairs * FLAG_STRIDE.value, "pairs")
+
+
+def pair_overlap(device: torch.device, routing: Routing, numel: int, gate_up_tiles: int):
+    """The two GEMMs' `overlap` argument: (the pair counters, gate/up's column tiles a pair)
+    for direct pairs, else None (sorted blocks run the down GEMM after gate/up)."""
+    return (pair_flags(device, numel), gate_up_tiles) if routing.direct else None
+
+
+def overlap_launch(overlap, device: torch.device, group_m: int, gated: bool):
+    """(flags, ready count, keyword arguments) of one grouped-GEMM launch for `overlap`
+    (`pair_overlap`'s, or None): overlapped GEMMs run pair by pair (GROUP_M = 1), and where
+    the device has PDL the down GEMM is launched early."""
+    if overlap is None:
+        return None, 0, dict(GROUP_M=group_m, OVERLAP=False, PDL=False)
+    pdl = has_pdl(device)
+    launch = {"launch_pdl": True} if pdl and not gated else {}
+    return (*overlap, dict(GROUP_M=1, OVERLAP=True, PDL=pdl, **launch))
 
 
 def prepare_counters(device: torch.device) -> None:

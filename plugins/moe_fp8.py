@@ -40,8 +40,8 @@ from ._gemm import gemm_loop, round_to, silu_mul, tile_of, tma_gemm_loop, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, TMA_MAX_BOX, GemmConfig, Routing, block_tile,
     check_expert_weights, check_ids_in_range, check_routing, check_tensor, configs_for,
-    empty_output, finish, has_pdl, has_tma, pair_flags, past_last_row, plan_routing, ref_moe,
-    release_pair, routing_ptrs, signal_ready, tail_ptrs, tma_addressable, wait_ready,
+    empty_output, finish, has_tma, overlap_launch, pair_overlap, past_last_row, plan_routing,
+    ref_moe, routing_ptrs, signal_ready, tail_ptrs, tma_addressable, wait_for_pair,
 )
 from .registry import dispatch, register
 from .tuning import tuned_moe
@@ -134,8 +134,7 @@ def _moe_fp8_kernel(a_ptr, a_desc, a_tail_desc, a_scale_ptr, w_ptr, w_desc, ws_p
         tile = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N,
                           GATED, DIRECT, BLOCK_M, BLOCK_N)
         if OVERLAP and not GATED:  # (direct: block pid_m is pair pid_m)
-            wait_ready(flags_ptr, pid_m, ready_count, PDL)
-            release_pair(flags_ptr, pid_m, tl.cdiv(N, BLOCK_N), num_m)
+            wait_for_pair(flags_ptr, pid_m, ready_count, tl.cdiv(N, BLOCK_N), num_m, PDL)
         _fp8_tile(tile, a_ptr, a_desc, 0, a_scale_ptr, w_ptr, w_desc, ws_ptr, out_ptr,
                   out_scale_ptr, N, K, stride_am, stride_we, stride_wn, stride_se, stride_om, ACT,
                   GATED, SWAP, False, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -218,21 +217,17 @@ def _descriptors(a, w, routing: Routing, cfg: GemmConfig, tma: bool):
 
 def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, k, gated,
           act, cfg: GemmConfig, tma: bool = False, overlap=None):
-    """One grouped GEMM launch. overlap (direct pairs): (the pair counters, gate/up's column
-    tiles a pair); both GEMMs then run pair by pair and the down GEMM launches early."""
+    """One grouped GEMM launch. overlap: `_moe_common.pair_overlap`'s (direct pairs), or None."""
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     a_desc, a_tail_desc, w_desc = _descriptors(a, w, routing, cfg, tma)
-    flags, ready_count = overlap if overlap is not None else (None, 0)
-    pdl = overlap is not None and has_pdl(a.device)
+    flags, ready_count, overlap_kw = overlap_launch(overlap, a.device, cfg.group_m, gated)
     _moe_fp8_kernel[grid](
         a, a_desc, a_tail_desc, a_scale, w, w_desc, ws, out, out_scale, flags, ready_count,
         *routing_ptrs(routing), *tail_ptrs(routing), numel, top_k, routing.m_blocks, n, k,
         a.stride(0), w.stride(0), w.stride(1), ws.stride(0), out.stride(0), ACT=TL_DTYPES[act],
         GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=1 if overlap is not None else cfg.group_m,
-        TAIL_M=routing.tail_m, TMA=tma, OVERLAP=overlap is not None, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl and not gated else {}),
+        BLOCK_K=cfg.block_k, TAIL_M=routing.tail_m, TMA=tma, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **overlap_kw,
     )
 
 
@@ -265,8 +260,8 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
     else:
         xq = x.contiguous() if x.dtype in FP8 else quant_fp8_per_tensor(x, a13_scale)
     hq = torch.empty((routing.rows, inner), dtype=FP8[0], device=x.device)
-    overlap = ((pair_flags(x.device, numel), triton.cdiv(inner, c13.block_n))
-               if overlap and routing.direct else None)
+    overlap = pair_overlap(x.device, routing, numel, triton.cdiv(inner, c13.block_n)) \
+        if overlap else None
     _gemm(xq, a13_scale, w13, w13_scale, hq, a2_scale, routing, numel, top_k, inner, h, True,
           act, c13, tma, overlap)
     y = torch.empty((numel, h), dtype=act, device=x.device)

@@ -35,8 +35,9 @@ from ._gemm import dot_precision, round_to, silu_mul, tile_of, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TMA_MAX_BOX, GemmConfig, Routing, block_tile, check_expert_weights,
     check_ids_in_range, check_routing, check_tensor, combine_if_last, combine_tickets,
-    configs_for, empty_output, fake_moe, finish, has_pdl, has_tma, pair_flags, past_last_row,
-    plan_routing, ref_moe, release_pair, routing_ptrs, signal_ready, tma_addressable, wait_ready,
+    configs_for, empty_output, fake_moe, finish, has_tma, overlap_launch, pair_overlap,
+    past_last_row, plan_routing, ref_moe, routing_ptrs, signal_ready, tma_addressable,
+    wait_for_pair,
 )
 from ._tiles import A_SIDE_PAIRS, nvfp4_k_loop, nvfp4_side, pairs_position
 from .registry import dispatch, register, triton_interpreted
@@ -156,8 +157,7 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw
     row_step_w, row_step_s = N * stride_wn, N * stride_sn  # gate row n -> up row N + n
     scale_2 = tl.load(ws2_ptr + expert) * 256.0  # (before the loop: expert not live across it)
     if OVERLAP and not GATED:  # (direct: block pid_m is pair pid_m)
-        wait_ready(flags_ptr, pid_m, ready_count, PDL)
-        release_pair(flags_ptr, pid_m, tl.cdiv(N, BLOCK_N), num_m)
+        wait_for_pair(flags_ptr, pid_m, ready_count, tl.cdiv(N, BLOCK_N), num_m, PDL)
     acc, acc_up = nvfp4_k_loop(a_ptrs, w_ptrs, s_ptrs, valid, n_mask, row_step_w, row_step_s, K,
                                GATED, EVEN_K, SWAP, ASM, SIDE, PRECISION, BLOCK_M, BLOCK_N,
                                BLOCK_K, w_desc, s_desc,
@@ -219,8 +219,8 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
           tma: bool, pairs_order: bool = False, combine=None, overlap=None):
     """One grouped GEMM launch. pairs_order: gate/up stores h in the code pairs' K order, down
     takes it so. combine (down, direct pairs): (topk_weights, combined output [T, H]), which the
-    launch fills as well as `out`. overlap (direct pairs): (the pair counters, gate/up's
-    column tiles a pair); both GEMMs then run pair by pair and the down GEMM launches early."""
+    launch fills as well as `out`. overlap: `_moe_common.pair_overlap`'s (direct pairs), or
+    None."""
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     words = w.view(torch.int32)  # [E, rows, K/8]: 8 codes a word
     tma_w, tma_s = takes_tma(a, k, cfg, w, ws) if tma else (False, False)
@@ -229,22 +229,18 @@ def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: 
     tw, comb = combine if combine is not None else (None, None)
     tickets = (combine_tickets(out.device, comb.shape[0] * triton.cdiv(n, cfg.block_n))
                if combine is not None else None)
-    flags, ready_count = overlap if overlap is not None else (None, 0)
-    pdl = overlap is not None and has_pdl(a.device)
+    flags, ready_count, overlap_kw = overlap_launch(overlap, a.device, cfg.group_m, gated)
     _moe_nvfp4_kernel[grid](
         a, words, w_desc, ws, s_desc, ws2, out, tw, comb, tickets, flags, ready_count,
-        *routing_ptrs(routing), numel,
-        top_k, routing.m_blocks, n, k, a.stride(0), words.stride(0), words.stride(1),
-        ws.stride(0), ws.stride(1), out.stride(0), GATED=gated, DIRECT=routing.direct,
-        SWAP=cfg.swap, ASM=use_asm(a.dtype),
+        *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k, a.stride(0),
+        words.stride(0), words.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
+        GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap, ASM=use_asm(a.dtype),
         SIDE=nvfp4_side(cfg.swap, cfg.block_m, ordered=pairs_order and not gated),
         EVEN_K=k % cfg.block_k == 0, PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=1 if overlap is not None else cfg.group_m, TMA_W=tma_w,
-        TMA_S=tma_s, ONE_ROW=tma_w and routing.direct, PAIRS_ORDER_OUT=pairs_order and gated,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, TMA_W=tma_w, TMA_S=tma_s,
+        ONE_ROW=tma_w and routing.direct, PAIRS_ORDER_OUT=pairs_order and gated,
         COMBINE=combine is not None, TOP_K=top_k if combine is not None else 1,
-        OVERLAP=overlap is not None, PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl and not gated else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **overlap_kw,
     )
 
 
@@ -299,8 +295,8 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     x = x.contiguous()
     hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)
     pairs_order = takes_pairs_order(c2, inner)
-    overlap = ((pair_flags(x.device, numel), triton.cdiv(inner, c13.block_n))
-               if overlap and routing.direct else None)
+    overlap = pair_overlap(x.device, routing, numel, triton.cdiv(inner, c13.block_n)) \
+        if overlap else None
     _gemm(x, w13, w13_scale, w13_scale_2, hbuf, routing, numel, top_k, inner, h, True, c13, tma,
           pairs_order, overlap=overlap)
     y = torch.empty((numel, h), dtype=x.dtype, device=x.device)

@@ -103,3 +103,12 @@ def decoded_experts(fmt: str, gate, up, down, dtype):
         shared = torch.maximum(qf.nvfp4_scale_2(gate[e]), qf.nvfp4_scale_2(up[e]))
         out.append((one(gate[e], shared), one(up[e], shared), one(down[e])))
     return out
+
+
+def sync_counters_all_zero() -> bool:
+    """Whether every counter set the moe ops made (combine tickets, pair counters) is back at
+    zero: their programs must put back what they use."""
+    from plugins import _moe_common
+
+    return all(int(c.count_nonzero()) == 0 for sets in _moe_common._COUNTERS.values()
+               for c in sets)

@@ -56,8 +56,8 @@ def test_moe_nvfp4_combine_replays_in_a_cuda_graph(t):
     """moe_nvfp4 on direct pairs combines in its down GEMM through ticket counters that its
     programs put back to zero: captured once and replayed on new x and routing, it gives
     the eager call's bits every time, and every ticket is back at zero after."""
-    from _moe_testdata import dense_experts, moe_args, pack_experts, random_routing
-    from plugins import _moe_common
+    from _moe_testdata import (dense_experts, moe_args, pack_experts, random_routing,
+                               sync_counters_all_zero)
 
     e, k, h, inner = 8, 4, 256, 128
     packed = pack_experts("nvfp4", *dense_experts(e, h, inner, seed=3))
@@ -78,5 +78,4 @@ def test_moe_nvfp4_combine_replays_in_a_cuda_graph(t):
         eager = torch.ops.beam.moe_nvfp4(*args)
         assert torch.equal(captured, eager)
         torch.cuda.synchronize()
-        assert all(int(c.count_nonzero()) == 0 for sets in _moe_common._COUNTERS.values()
-                   for c in sets)
+        assert sync_counters_all_zero()

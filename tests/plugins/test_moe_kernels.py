@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import plugins  # noqa: F401
-from _moe_testdata import activation_scales, dense_experts, moe_args, pack_experts, random_routing
+from _moe_testdata import (activation_scales, dense_experts, moe_args, pack_experts,
+                           random_routing, sync_counters_all_zero)
 from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE, on_cpu
@@ -193,8 +194,7 @@ def test_nvfp4_down_gemm_combines_direct_pairs():
         slots = moe_nvfp4.moe_nvfp4_triton(*args, direct=True, per_slot=True)
         fused = moe_nvfp4.moe_nvfp4_triton(*args, direct=True)
         assert torch.equal(fused, _moe_common.combine(slots.reshape(t * top_k, -1), args[2], t))
-        assert all(int(c.count_nonzero()) == 0 for sets in _moe_common._COUNTERS.values()
-                   for c in sets)
+        assert sync_counters_all_zero()
 
 
 def test_nvfp4_overlapped_gemms_match_the_serial_ones():
@@ -211,8 +211,7 @@ def test_nvfp4_overlapped_gemms_match_the_serial_ones():
             serial = kernel(*args, direct=True, per_slot=per_slot, overlap=False)
             for _ in range(20 if x.is_cuda else 1):
                 assert torch.equal(kernel(*args, direct=True, per_slot=per_slot), serial)
-        assert all(int(c.count_nonzero()) == 0 for sets in _moe_common._COUNTERS.values()
-                   for c in sets)
+        assert sync_counters_all_zero()
 
 
 def test_single_token_and_empty_batch():
