@@ -296,6 +296,9 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     chunk = Chunk(req, req.num_computed, 1)
     decode = section(res, "per-layer decode graphs", lambda: decode_layers(engine, chunk, device, 200))
     decode_ms, chained_ms = decode if decode else (None, None)
+    if args.chain_ab and device.type == "cuda":
+        res["chain_ab"] = section(res, "decode chain A/B", lambda: chain_ab(
+            engine, chunk, device, args.chain_ab))
     res["timeline_layer1"] = section(res, "layer-1 graph timeline",
                                      lambda: graph_timeline(engine, chunk, device))
     launches = section(res, "launch count", lambda: count_launches(engine, chunk, device))
@@ -323,11 +326,30 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
 
         engine.graphs = section(res, "capture decode graphs (1, 64)", lambda: DecodeGraphs(
             engine.model, engine.options, engine.kv_plan, engine.cfg, device, sizes=(1, 64)))
-    batches = (1, 64) if not args.smoke else (1, 4)
+    batches = () if args.skip_throughput else (1, 64) if not args.smoke else (1, 4)
     res["decode"] = [d for b in batches if (d := section(res, f"decode batch {b}", lambda b=b:
                      decode_throughput(engine, b, 128 if not args.smoke else 6,
                                        32 if not args.smoke else 2, device))) is not None]
     return res
+
+
+def chain_ab(engine, chunk, device, rounds: int) -> list[dict]:
+    """The per-layer chained decode times with the decode chain (plugins/_pdl.py) off and on,
+    alternating, `rounds` times each (same process, same weights: an A/B within one lease)."""
+    from plugins import _pdl
+
+    out = []
+    try:
+        for r in range(rounds):
+            for on in (False, True):
+                _pdl.set_decode_chain(on)
+                _, chained = decode_layers(engine, chunk, device, 200)
+                out.append({"round": r, "chain": on, "chained_ms": chained})
+                log(f"decode chain {'on ' if on else 'off'}: chained ms "
+                    + " / ".join(f"{c:.4f}" for c in chained))
+    finally:
+        _pdl.set_decode_chain(True)
+    return out
 
 
 def print_table(results: list[dict], ceilings: dict) -> None:
@@ -366,6 +388,10 @@ def main() -> None:
                          "FP8 q/k/v GEMM (a what-if: the shipped recipes keep it BF16, which "
                          "the engine now computes inside qk_prep)")
     ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
+    ap.add_argument("--chain-ab", type=int, default=0, metavar="ROUNDS",
+                    help="also time the layers with the decode chain off and on, alternating")
+    ap.add_argument("--skip-throughput", action="store_true",
+                    help="no whole-model decode throughput (batch 1 and 64)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     torch.manual_seed(0)

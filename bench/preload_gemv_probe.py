@@ -10,6 +10,11 @@ path (`linear_fp8` split in two over K, as the engine runs o_proj): spin + GEMV 
 alone, outputs checked against the FP32 reference.
 
     PYTHONPATH=.:bench python3 bench/preload_gemv_probe.py [--spin-us 11] [--flush-mb 256]
+
+--shipped PRE_K,STAGES[,SPLIT[,FMA]][;...] times the shipped kernel's own preload instead (`linear_fp8`'s
+PRE_K, the decode chain's form): split in SPLIT (2), launched early behind the spin and serially,
+each checked bit-equal against the shipped call without a preload. --n / --k pick the GEMM
+(q/k/v: --n 8192 --k 5120 behind a norm's --spin-us 5).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import triton
 import triton.language as tl
 
 from kernels import time_graph_us
-from plugins.linear_fp8 import linear_fp8_triton
+from plugins import _pdl
+from plugins._moe_common import GemmConfig
+from plugins.linear_fp8 import SPLIT_CONFIG, linear_fp8_triton
 
 FP8 = torch.float8_e4m3fn
 
@@ -79,8 +86,12 @@ def main() -> None:
     opts.add_argument("--shapes", default="128,3,1024,128,16,3;128,3,512,128,16,3;"
                       "64,2,1024,128,8,3;128,3,256,128,8,3",
                       help="block_n,parts,k_pre,block_k,warps,stages[;...]")
+    opts.add_argument("--shipped", default="",
+                      help="pre_k,stages[;...]: linear_fp8's own preload (see the docstring)")
+    opts.add_argument("--n", type=int, default=5120)
+    opts.add_argument("--k", type=int, default=6144)
     opts = opts.parse_args()
-    n, k = 5120, 6144
+    n, k = opts.n, opts.k
     gen = torch.Generator(device="cuda").manual_seed(1)
     w = (torch.randn(n, k, device="cuda", generator=gen) * 0.05).to(FP8)
     ws = torch.rand(n, device="cuda", generator=gen) * 0.02 + 0.01
@@ -103,6 +114,9 @@ def main() -> None:
     us = time_graph_us(lambda: (spin(False), shipped())) - spin_us
     rel = ((got - want).norm() / want.norm()).item()
     print(f"{'shipped linear_fp8, split 2':44s} {us:6.1f} us after the spin  rel {rel:.1e}")
+    if opts.shipped:
+        time_shipped_preloads(opts.shipped, x, w, ws, xs, spin, spin_us)
+        return
     for spec in opts.shapes.split(";"):
         block_n, parts, k_pre, block_k, warps, stages = map(int, spec.split(","))
         out = torch.empty(parts, n, device="cuda")
@@ -119,6 +133,30 @@ def main() -> None:
                       f"the spin  rel {rel:.1e}", flush=True)
             except Exception as exc:  # a shape that does not compile: report, go on
                 print(f"preload {spec:20s} {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+
+
+def time_shipped_preloads(specs: str, x, w, ws, xs, spin, spin_us: float) -> None:
+    """linear_fp8 split in SPLIT with PRE_K preloaded channels and STAGES pipeline stages,
+    behind the spin: launched early (the decode chain) and serially; bit-equal to the same
+    split without a preload."""
+    for spec in specs.split(";"):
+        pre_k, stages, split, fma = (list(map(int, spec.split(","))) + [2, 0])[:4]
+        base = linear_fp8_triton(x, w, ws, xs, torch.float32, split_k=split, preload=0)
+        cfg = GemmConfig(SPLIT_CONFIG.block_m, SPLIT_CONFIG.block_n, SPLIT_CONFIG.block_k,
+                         SPLIT_CONFIG.num_warps, stages, swap=True)
+        for chain in (True, False):
+            _pdl.set_decode_chain(chain)
+            call = lambda: linear_fp8_triton(x, w, ws, xs, torch.float32,  # noqa: E731
+                                             split_k=split, config=cfg, preload=pre_k,
+                                             preload_fma=bool(fma))
+            got = call()
+            same = torch.equal(got, base) or f"rel {((got - base).norm() / base.norm()):.1e}"
+            us = time_graph_us(lambda: (spin(chain), call())) - spin_us
+            print(f"shipped preload {pre_k:5d} ch{' FMA' if fma else ''}, {stages} stages, "
+                  f"split {split}  "
+                  f"{'PDL' if chain else 'serial':7s} {us:6.1f} us after the spin  "
+                  f"{'bit-equal' if same is True else same}", flush=True)
+    _pdl.set_decode_chain(True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import triton.language as tl
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
                                softmax_step, store_output)
 from ._common import FP8_DTYPE, TL_DTYPES, is_fp8, next_pow2, sm_count
+from ._pdl import decode_chain, let_next_launch, pdl_launch, wait_for_inputs
 from .tuning import tuned_decode
 
 # Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
@@ -41,9 +42,14 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
-                         DOT_PREC: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr):
+                         DOT_PREC: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr,
+                         PDL: tl.constexpr):
     # NUM_SPLITS == 1: one program holds the whole context of its (sequence, KV head) and
     # writes the gated output itself (what the combine does with one split, bit for bit).
+    # PDL (the decode chain, _pdl.py): launched during qk_prep, it lets the combine (or the
+    # o_proj) launch at once and waits for qk_prep's q / k / v and cache rows.
+    let_next_launch(PDL)
+    wait_for_inputs(PDL)
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, BLOCK_G)
@@ -117,7 +123,9 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
                            HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                            D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                            NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                           ACT: tl.constexpr, OUT_FP8: tl.constexpr):
+                           ACT: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr):
+    let_next_launch(PDL)  # the o_proj launches now and preloads its weights
+    wait_for_inputs(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -173,8 +181,10 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
         part_o = q.new_empty(b, hkv, splits, g, d, dtype=torch.float32)
         part_m = q.new_empty(b, hkv, splits, g, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
+    pdl = decode_chain(q.device)
     common = dict(HQ=hq, HKV=hkv, G=g, D=d, BLOCK_D=block_d, NUM_SPLITS=splits,
-                  ACT=TL_DTYPES[q.dtype], OUT_FP8=out.dtype == FP8_DTYPE)
+                  ACT=TL_DTYPES[q.dtype], OUT_FP8=out.dtype == FP8_DTYPE, PDL=pdl,
+                  **pdl_launch(pdl))
     _decode_split_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, q_start, hist_start, cache_index, k_scale, v_scale,
         part_o, part_m, part_l, gate, out, out_scale, k_new.stride(0), k_new.stride(1),

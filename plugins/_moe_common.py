@@ -28,7 +28,8 @@ from ._gemm import round_to
 from ._moe_sort import (  # noqa: F401  (re-exported)
     Routing, max_row_blocks, max_sorted_rows, plan_routing, routing_ptrs, tail_ptrs,
 )
-from .registry import PluginError, triton_interpreted
+from ._pdl import has_pdl  # noqa: F401  (re-exported; tests patch it here)
+from .registry import PluginError
 
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
 
@@ -126,13 +127,6 @@ TMA_MAX_BOX = 256  # rows or columns of one TMA copy (cuTensorMapEncodeTiled's b
 def has_tma(device: torch.device) -> bool:
     """Whether the device has a TMA: sm_90+, or the CPU (Triton's interpreter emulates it)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def has_pdl(device: torch.device) -> bool:
-    """Whether kernels on the device can be launched early (programmatic dependent launch,
-    sm_90+) and call griddepcontrol; never in the interpreter, which runs launches in order."""
-    return (device.type == "cuda" and not triton_interpreted()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def tma_addressable(m: torch.Tensor) -> bool:

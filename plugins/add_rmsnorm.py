@@ -35,6 +35,7 @@ from beam_trtllm.reference import residual_add, rms_norm
 from ._common import (FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2,
                       sum_partials, summed_partials)
 from ._fp8_act import fp8_codes, load_fp8_scale
+from ._pdl import decode_chain, let_next_launch
 from .registry import dispatch, register
 from .rmsnorm import row_launch_params
 
@@ -78,11 +79,13 @@ def _add_rmsnorm_kernel(h_ptr, y_ptr, yw_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
                         T, stride_h, stride_y, stride_ys, stride_yw, stride_ho, stride_x, stride_q,
                         H, a, b, eps, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                         STAGES: tl.constexpr, QUANT: tl.constexpr, PARTIALS: tl.constexpr,
-                        WEIGHTED: tl.constexpr):
+                        WEIGHTED: tl.constexpr, PDL: tl.constexpr):
     # Persistent over tiles of ROWS rows, like beam::rmsnorm's kernel. QUANT: also the FP8
     # codes of the rounded x with the static scale at qs_ptr (beam::add_rmsnorm_fp8).
     # PARTIALS > 0: y holds that many partials stride_ys apart, added in order (WEIGHTED: each
     # times its row's weight at yw_ptr, from 0) and rounded to h's dtype (0: y is y).
+    # PDL (the decode chain, _pdl.py): the next q/k/v GEMM launches now and preloads weights.
+    let_next_launch(PDL)
     cols = tl.arange(0, BLOCK_H)[None, :]
     w_post = tl.load(wpost_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     w_pre = tl.load(wpre_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
@@ -180,7 +183,7 @@ def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
             h, y, yw, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(-2),
             y.stride(0) if partials else 0, yw.stride(0), h_new.stride(0), x.stride(0),
             quant[2], hidden, a, b, eps, QUANT=q is not None, PARTIALS=partials,
-            WEIGHTED=y_weights is not None, **p)
+            WEIGHTED=y_weights is not None, PDL=decode_chain(h.device), **p)
     return h_new, x, q
 
 
