@@ -298,7 +298,7 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     decode_ms, chained_ms = decode if decode else (None, None)
     if args.chain_ab and device.type == "cuda":
         res["chain_ab"] = section(res, "decode chain A/B", lambda: chain_ab(
-            engine, chunk, device, args.chain_ab))
+            engine, chunk, device, args.chain_ab, args.chain_rounds))
     res["timeline_layer1"] = section(res, "layer-1 graph timeline",
                                      lambda: graph_timeline(engine, chunk, device))
     launches = section(res, "launch count", lambda: count_launches(engine, chunk, device))
@@ -333,20 +333,24 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     return res
 
 
-def chain_ab(engine, chunk, device, rounds: int) -> list[dict]:
-    """The per-layer chained decode times with the decode chain (plugins/_pdl.py) off and on,
-    alternating, `rounds` times each (same process, same weights: an A/B within one lease)."""
+def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
+    """The per-layer chained decode times under each decode-chain variant (plugins/_pdl.py:
+    "off", "default", "all", or links joined by ","; variants separated by ";"), alternating, `rounds`
+    times each (same process, same weights: an A/B within one lease)."""
     from plugins import _pdl
+
+    def links(v):
+        named = {"off": False, "default": True, "all": "all"}
+        return named[v] if v in named else v.split(",")
 
     out = []
     try:
         for r in range(rounds):
-            for on in (False, True):
-                _pdl.set_decode_chain(on)
+            for v in variants.split(";"):
+                _pdl.set_decode_chain(links(v))
                 _, chained = decode_layers(engine, chunk, device, 200)
-                out.append({"round": r, "chain": on, "chained_ms": chained})
-                log(f"decode chain {'on ' if on else 'off'}: chained ms "
-                    + " / ".join(f"{c:.4f}" for c in chained))
+                out.append({"round": r, "chain": v, "chained_ms": chained})
+                log(f"decode chain {v}: chained ms " + " / ".join(f"{c:.4f}" for c in chained))
     finally:
         _pdl.set_decode_chain(True)
     return out
@@ -388,8 +392,10 @@ def main() -> None:
                          "FP8 q/k/v GEMM (a what-if: the shipped recipes keep it BF16, which "
                          "the engine now computes inside qk_prep)")
     ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
-    ap.add_argument("--chain-ab", type=int, default=0, metavar="ROUNDS",
-                    help="also time the layers with the decode chain off and on, alternating")
+    ap.add_argument("--chain-ab", default="", metavar="VARIANTS",
+                    help="also time the layers under these decode-chain variants, alternating "
+                         "(e.g. 'off;default;all;linear'; links: plugins/_pdl.py LINKS)")
+    ap.add_argument("--chain-rounds", type=int, default=2)
     ap.add_argument("--skip-throughput", action="store_true",
                     help="no whole-model decode throughput (batch 1 and 64)")
     args = ap.parse_args()

@@ -11,10 +11,10 @@ alone, outputs checked against the FP32 reference.
 
     PYTHONPATH=.:bench python3 bench/preload_gemv_probe.py [--spin-us 11] [--flush-mb 256]
 
---shipped PRE_K,STAGES[,SPLIT[,FMA]][;...] times the shipped kernel's own preload instead (`linear_fp8`'s
-PRE_K, the decode chain's form): split in SPLIT (2), launched early behind the spin and serially,
-each checked bit-equal against the shipped call without a preload. --n / --k pick the GEMM
-(q/k/v: --n 8192 --k 5120 behind a norm's --spin-us 5).
+--shipped STAGES,SPLIT[;...] times the shipped kernel (no preload) in the decode chain's
+form instead: launched early behind the spin, and serially. --n / --k pick the GEMM (q/k/v:
+--n 8192 --k 5120 behind a norm's --spin-us 5). (Session 13 also tried a preload in the shipped
+kernel itself, commit 8f963d8: no gain, removed; docs/BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
                       "64,2,1024,128,8,3;128,3,256,128,8,3",
                       help="block_n,parts,k_pre,block_k,warps,stages[;...]")
     opts.add_argument("--shipped", default="",
-                      help="pre_k,stages[;...]: linear_fp8's own preload (see the docstring)")
+                      help="stages,split[;...]: the shipped kernel launched early (docstring)")
     opts.add_argument("--n", type=int, default=5120)
     opts.add_argument("--k", type=int, default=6144)
     opts = opts.parse_args()
@@ -115,7 +115,7 @@ def main() -> None:
     rel = ((got - want).norm() / want.norm()).item()
     print(f"{'shipped linear_fp8, split 2':44s} {us:6.1f} us after the spin  rel {rel:.1e}")
     if opts.shipped:
-        time_shipped_preloads(opts.shipped, x, w, ws, xs, spin, spin_us)
+        time_shipped_splits(opts.shipped, x, w, ws, xs, spin, spin_us)
         return
     for spec in opts.shapes.split(";"):
         block_n, parts, k_pre, block_k, warps, stages = map(int, spec.split(","))
@@ -135,27 +135,20 @@ def main() -> None:
                 print(f"preload {spec:20s} {type(exc).__name__}: {str(exc)[:160]}", flush=True)
 
 
-def time_shipped_preloads(specs: str, x, w, ws, xs, spin, spin_us: float) -> None:
-    """linear_fp8 split in SPLIT with PRE_K preloaded channels and STAGES pipeline stages,
-    behind the spin: launched early (the decode chain) and serially; bit-equal to the same
-    split without a preload."""
+def time_shipped_splits(specs: str, x, w, ws, xs, spin, spin_us: float) -> None:
+    """linear_fp8 split in SPLIT with STAGES pipeline stages behind the spin: launched early
+    (the decode chain) and serially."""
     for spec in specs.split(";"):
-        pre_k, stages, split, fma = (list(map(int, spec.split(","))) + [2, 0])[:4]
-        base = linear_fp8_triton(x, w, ws, xs, torch.float32, split_k=split, preload=0)
+        stages, split = map(int, spec.split(","))
         cfg = GemmConfig(SPLIT_CONFIG.block_m, SPLIT_CONFIG.block_n, SPLIT_CONFIG.block_k,
                          SPLIT_CONFIG.num_warps, stages, swap=True)
         for chain in (True, False):
             _pdl.set_decode_chain(chain)
             call = lambda: linear_fp8_triton(x, w, ws, xs, torch.float32,  # noqa: E731
-                                             split_k=split, config=cfg, preload=pre_k,
-                                             preload_fma=bool(fma))
-            got = call()
-            same = torch.equal(got, base) or f"rel {((got - base).norm() / base.norm()):.1e}"
+                                             split_k=split, config=cfg)
             us = time_graph_us(lambda: (spin(chain), call())) - spin_us
-            print(f"shipped preload {pre_k:5d} ch{' FMA' if fma else ''}, {stages} stages, "
-                  f"split {split}  "
-                  f"{'PDL' if chain else 'serial':7s} {us:6.1f} us after the spin  "
-                  f"{'bit-equal' if same is True else same}", flush=True)
+            print(f"shipped, {stages} stages, split {split}  {'PDL' if chain else 'serial':7s} "
+                  f"{us:6.1f} us after the spin", flush=True)
     _pdl.set_decode_chain(True)
 
 

@@ -20,7 +20,7 @@ import triton.language as tl
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
                                softmax_step, store_output)
 from ._common import FP8_DTYPE, TL_DTYPES, is_fp8, next_pow2, sm_count
-from ._pdl import decode_chain, let_next_launch, pdl_launch, wait_for_inputs
+from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from .tuning import tuned_decode
 
 # Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
@@ -184,7 +184,7 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
     pdl = decode_chain(q.device)
     common = dict(HQ=hq, HKV=hkv, G=g, D=d, BLOCK_D=block_d, NUM_SPLITS=splits,
                   ACT=TL_DTYPES[q.dtype], OUT_FP8=out.dtype == FP8_DTYPE, PDL=pdl,
-                  **pdl_launch(pdl))
+                  **launch_early(q.device, "attention"))
     _decode_split_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, q_start, hist_start, cache_index, k_scale, v_scale,
         part_o, part_m, part_l, gate, out, out_scale, k_new.stride(0), k_new.stride(1),

@@ -3,12 +3,11 @@ while the kernel before it on the stream still runs, once every program of that 
 `griddepcontrol.launch_dependents` (or exited); `griddepcontrol.wait` then blocks until the
 earlier kernel has finished and its writes are visible.
 
-The batch-1 decode uses it where a kernel can do useful work before its inputs exist: a
-weight-streaming GEMM (q/k/v, o_proj) loads part of its weights into registers while the
-latency-bound kernels before it run (docs/DESIGN.md §2, "the decode chain"). The rules every
-kernel of a chain keeps:
-- before `wait_for_inputs` it reads only data no kernel of the step writes (weights), and it
-  writes nothing (the kernel before it may still be reading that memory);
+The batch-1 decode launches its split FP8 GEMMs (q/k/v, o_proj) this way: their programs are
+resident, past their prologue, when the kernel before them finishes (docs/DESIGN.md §2, "the
+decode chain"). The rules every kernel of a chain keeps:
+- before `wait_for_inputs` it reads only data no kernel of the step writes (weights, scales),
+  and it writes nothing (the kernel before it may still be reading that memory);
 - a kernel that lets its successor launch early (`let_next_launch`) does so whether or not
   the successor was launched with PDL: without it the call does nothing;
 - the wait is transitive: a kernel finishes only after its own wait has returned, so a
@@ -23,7 +22,15 @@ import triton.language as tl
 
 from .registry import triton_interpreted
 
-_CHAIN = {"on": True}
+# Where the decode chain may launch a kernel early: the `link` of `launch_early`. On by
+# default: the split FP8 GEMMs (q/k/v behind the boundary norm, o_proj behind the attention's
+# combine). The H200 A/B (bench/engine_bench.py --chain-ab, docs/BENCHMARKS.md session 13):
+# a sliding MoE layer 1.5 us faster with these alone; 1.5-3 us slower with the attention's
+# kernels launched early as well, 5 us slower with every link (which helped the dense and the
+# full-attention layers, by 3 and 1.5 us).
+LINKS = ("norm", "linear", "qk_prep", "attention", "router")
+DEFAULT_LINKS = ("linear",)
+_CHAIN = {"links": frozenset(DEFAULT_LINKS)}
 
 
 def has_pdl(device: torch.device) -> bool:
@@ -34,20 +41,27 @@ def has_pdl(device: torch.device) -> bool:
 
 
 def decode_chain(device: torch.device) -> bool:
-    """Whether the decode kernels on `device` run as a PDL chain (`has_pdl`, unless turned off
-    by `set_decode_chain(False)`: benchmarks' A/B)."""
-    return _CHAIN["on"] and has_pdl(device)
+    """Whether the decode kernels on `device` are built for the chain (`has_pdl` and a link
+    on): they let the next kernel launch and wait for their inputs (a wait that returns at
+    once where the kernel was not launched early)."""
+    return bool(_CHAIN["links"]) and has_pdl(device)
 
 
-def set_decode_chain(on: bool) -> None:
-    """Turn the decode chain on or off for launches from now on (a captured CUDA graph keeps
-    what it captured)."""
-    _CHAIN["on"] = bool(on)
+def launch_early(device: torch.device, link: str) -> dict:
+    """The launch keyword arguments of a chain kernel at `link` (one of LINKS)."""
+    assert link in LINKS, link
+    return {"launch_pdl": True} if link in _CHAIN["links"] and has_pdl(device) else {}
 
 
-def pdl_launch(pdl: bool) -> dict:
-    """The launch keyword arguments of a kernel that may start early."""
-    return {"launch_pdl": True} if pdl else {}
+def set_decode_chain(links=True) -> None:
+    """The chain's links from now on: True (the default ones), "all", False (none) or some of
+    LINKS (a captured CUDA graph keeps what it captured)."""
+    chosen = (DEFAULT_LINKS if links is True else LINKS if links == "all" else
+              () if links is False else tuple(links))
+    unknown = set(chosen) - set(LINKS)
+    if unknown:
+        raise ValueError(f"unknown decode-chain links {sorted(unknown)}; known: {LINKS}")
+    _CHAIN["links"] = frozenset(chosen)
 
 
 @triton.jit

@@ -28,6 +28,7 @@ import triton.language as tl
 from beam_trtllm.reference import route
 
 from ._common import FLOAT_DTYPES, check, check_tensor, next_pow2, rows_times_weights
+from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from .registry import dispatch, register
 
 OP = "group_router"
@@ -47,9 +48,12 @@ def ref_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, BLOCK_T: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
-                          USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+                          USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """Partial logits [SPLIT, T, E]: split s sums channels [s*per, (s+1)*per) (split-K spreads a
-    batch-1 GEMV over more SMs; the selection kernel adds the splits in a fixed order)."""
+    batch-1 GEMV over more SMs; the selection kernel adds the splits in a fixed order). PDL:
+    the decode chain (_pdl.py)."""
+    let_next_launch(PDL)
+    wait_for_inputs(PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(2)
@@ -94,7 +98,8 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, spl
                           E: tl.constexpr, NG: tl.constexpr, EPG: tl.constexpr,
                           TOPK_GROUP: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
                           SPLIT: tl.constexpr, NG_P2: tl.constexpr, EPG_P2: tl.constexpr,
-                          K_P2: tl.constexpr):
+                          K_P2: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)  # (the decode chain: launched while the logits kernel runs)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, NG_P2)
     j = tl.arange(0, EPG_P2)[None, :]
@@ -165,12 +170,15 @@ def _launch_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
     p = logits_launch_params(t)
     logits = x.new_empty(p["SPLIT"], t, e, dtype=torch.float32)
     grid = (triton.cdiv(e, p["BLOCK_E"]), triton.cdiv(t, p["BLOCK_T"]), p["SPLIT"])
-    _router_logits_kernel[grid](x, weight, logits, t, e, h, x.stride(0), **p)
+    pdl = decode_chain(x.device)
+    _router_logits_kernel[grid](x, weight, logits, t, e, h, x.stride(0), PDL=pdl, **p,
+                                **launch_early(x.device, "router"))
     epg = e // n_group
     _router_select_kernel[(t,)](
         logits, bias, ids, weights, routed_scaling_factor, t * e, E=e, NG=n_group, EPG=epg,
         TOPK_GROUP=topk_group, K=k, RENORM=renormalize, SPLIT=p["SPLIT"], NG_P2=next_pow2(n_group),
-        EPG_P2=next_pow2(epg), K_P2=next_pow2(k), num_warps=1 if e <= 256 else 4)
+        EPG_P2=next_pow2(epg), K_P2=next_pow2(k), PDL=pdl, num_warps=1 if e <= 256 else 4,
+        **launch_early(x.device, "router"))
     return ids, weights
 
 

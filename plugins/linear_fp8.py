@@ -36,9 +36,9 @@ from beam_trtllm.quant_formats import dequantize_fp8, quantize_fp8_activation
 from ._checks import (ACT_DTYPES, _expect, check_device, check_linear_x, check_out_dtype,
                       check_tensor)
 from ._fp8_act import quant_fp8_per_tensor
-from ._gemm import gemm_loop, mma_fp8, round_to, tile_of, unswap
+from ._gemm import gemm_loop, round_to, tile_of, unswap
 from ._moe_common import GemmConfig
-from ._pdl import decode_chain, pdl_launch, wait_for_inputs
+from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from ._tiles import linear_config
 from .registry import dispatch, register
 from .tuning import tuned_linear
@@ -104,40 +104,26 @@ def _(x, weight, weight_scale, input_scale, out_dtype=None, split_k=1):
 def _linear_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, k_split, stride_xm,
                        stride_wn, stride_ws, stride_ym, stride_ys, SWAP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, PRE_K: tl.constexpr,
-                       PRE_FMA: tl.constexpr, PDL: tl.constexpr):
+                       GROUP_M: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     # FP8 x FP8 products, promoted to FP32 every BLOCK_K (Hopper's FP8 MMA accumulates with
     # reduced precision), then * input_scale * weight_scale[n] (stride_ws = 0 broadcasts a
     # per-tensor weight scale). SPLIT > 1: program axis 1 is the split of K (channels
     # [s·k_split, (s+1)·k_split)), whose FP32 partial goes unrounded to y + s·stride_ys.
-    # PRE_K > 0: the last PRE_K channels of the program's range (whole 128-channel steps of
-    # it) are loaded into registers first, before waiting for x (PDL: while the kernels before
-    # this one run), and multiplied after the streamed rest, in the same order of partial
-    # sums as without the preload (bit-equal).
+    # PDL (the decode chain, _pdl.py): launched while the kernels before it run, the program
+    # lets the next kernel launch and waits for x; the weight-scale load goes before the wait.
+    let_next_launch(PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     k_lo = tl.program_id(1) * k_split
-    k_len = tl.minimum(K - k_lo, k_split)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + k_lo
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + k_lo
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     w_scale = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)
-    if PRE_K > 0:  # weights: nothing in the step writes them, so they may load before the wait
-        pre = k_len - PRE_K + tl.arange(0, PRE_K)
-        w_pre = tl.load(w_rows + pre[None, :], mask=n_mask[:, None], other=0.0)
-    wait_for_inputs(PDL)  # no write and no read of x before this
-    if PRE_K > 0 and PRE_FMA:  # one token (M == 1): x's preloaded channels, one row
-        x_pre = tl.load(x_ptr + k_lo + pre)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc, _ = gemm_loop(x_rows + offs_k[None, :], m_mask, w_rows + offs_k[None, :], n_mask,
-                       k_len - PRE_K, 0, False, SWAP, "fp8", BLOCK_M, BLOCK_N, BLOCK_K)
-    if PRE_K > 0 and PRE_FMA:  # FP32 FMAs (exact FP8 products), the sum into token 0's column
-        pre_sum = tl.sum(w_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :], axis=1)
-        acc += tl.where(tl.arange(0, BLOCK_M)[None, :] == 0, pre_sum[:, None], 0.0)
-    elif PRE_K > 0:
-        x_pre = tl.load(x_rows + pre[None, :], mask=m_mask[:, None], other=0.0)
-        acc = mma_fp8(acc, x_pre, w_pre, SWAP, PRE_K)
+    wait_for_inputs(PDL)  # no read of x and no write before this
+    acc, _ = gemm_loop(x_ptrs, m_mask, w_ptrs, n_mask, tl.minimum(K - k_lo, k_split), 0, False,
+                       SWAP, "fp8", BLOCK_M, BLOCK_N, BLOCK_K)
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     out = unswap(acc, SWAP) * tl.load(xs_ptr) * w_scale[None, :]
     if SPLIT == 1:
@@ -167,57 +153,49 @@ def _scaled_mm(xq, weight, weight_scale, input_scale, out_dtype):
                             scale_b=weight_scale.view(1, n), out_dtype=out_dtype)
 
 
-# A split call's tile: 128-deep K steps, 6 stages (60 KB of shared memory, so the 160 programs
-# of a split o_proj fit in one wave where the 256-deep default's 120 KB left 28 for a second:
-# 15.7 against 13.7 us unsplit in the engine). H200 sweep, bench/decode_sweep.py --only
-# linear_split: 10.55 us (128 deep, 6 stages), 10.90 (256, 4), 11.48 (32-row tiles).
+# A split call's tile: 128-deep K steps, 6 stages (60 KB of shared memory: three programs an
+# SM, so the 160 programs of o_proj split in two fitted one wave where the 256-deep default's
+# 120 KB left 28 for a second: 15.7 against 13.7 us unsplit in the engine; the three-way split
+# runs 240). H200 sweep, bench/decode_sweep.py --only linear_split (two splits): 10.55 us (128
+# deep, 6 stages), 10.90 (256, 4), 11.48 (32-row tiles).
 SPLIT_CONFIG = GemmConfig(16, 64, 128, 4, 6, swap=True)
 
 
-def _config(m: int, n: int, k: int, config=None, split_k: int = 1, pre_k: int = 0):
+def _config(m: int, n: int, k: int, config=None, split_k: int = 1):
     if config is not None:
         return config
     if split_k > 1:
-        return PRELOAD_CONFIG if pre_k else SPLIT_CONFIG
+        return SPLIT_CONFIG
     return tuned_linear(OP, m, n, k) or linear_config(m, 1)
+
+
+MAX_DECODE_SPLITS = 3
 
 
 def decode_split_k(m: int, n: int, k: int, sm_count: int) -> int:
     """Splits of K for a few-token call whose consumer adds partial sums (see the module
-    docstring): 2 when the split's tiles (SPLIT_CONFIG's rows) number at most one per SM, so
-    that the two halves' programs still run in one wave, and each half keeps >= 2048 channels;
-    else 1. At M = 1 on the H200 (bench/decode_sweep.py --only linear_split): o_proj
-    [5120 x 6144] (80 tiles) 10.4 against 12.6-13.4 us unsplit, q/k/v [8192 x 5120] (128
-    tiles) 12.2 against 13.4."""
+    docstring): the most, up to MAX_DECODE_SPLITS, whose programs (SPLIT_CONFIG's tiles times
+    the splits) number at most two an SM, so that they run in one wave, with each split keeping
+    >= 2048 channels; else 1. At M = 1 on the H200: o_proj [5120 x 6144] (80 tiles) takes 3,
+    8.9 us launched early against 9.5 with 2 (bench/preload_gemv_probe.py --shipped, session
+    13) and 12.6-13.4 unsplit (bench/decode_sweep.py --only linear_split); q/k/v [8192 x 5120]
+    (128 tiles) takes 2, 12.2 us against 13.4 unsplit."""
     if m > SMALL_M:
         return 1
     tiles = triton.cdiv(m, SPLIT_CONFIG.block_m) * triton.cdiv(n, SPLIT_CONFIG.block_n)
-    return 2 if tiles <= sm_count and k >= 4096 else 1
-
-
-# The decode chain's preload (PRE_K): channels a split program loads before its wait. Triton
-# keeps them in shared memory as the MMA's operand (64 B a channel for 64 weight rows), so the
-# preloading tile has fewer pipeline stages than SPLIT_CONFIG for two programs to fit an SM
-# (1024 channels + 4 stages: 104 KB). TODO(measure): bench/preload_gemv_probe.py --shipped.
-PRELOAD_K = 1024
-PRELOAD_CONFIG = GemmConfig(16, 64, 128, 4, 4, swap=True)
-
-
-def preload_channels(k: int, split_k: int, chain: bool) -> int:
-    """PRE_K of a split call: PRELOAD_K in the decode chain where every split's range is whole
-    128-channel steps (the preload then keeps the order of partial sums) and at least twice
-    PRELOAD_K long; else 0."""
-    c = split_channels(k, split_k)
-    return PRELOAD_K if chain and split_k > 1 and k == c * split_k and c >= 2 * PRELOAD_K else 0
+    for splits in range(MAX_DECODE_SPLITS, 1, -1):
+        if splits * tiles <= 2 * sm_count and k // splits >= 2048:
+            return splits
+    return 1
 
 
 @register(OP, "triton")
 def linear_fp8_triton(x, weight, weight_scale, input_scale, out_dtype=None, split_k: int = 1,
-                      use_scaled_mm=None, config=None, preload=None, preload_fma=False):
+                      use_scaled_mm=None, config=None):
     """Launcher: quantize x with the static scale (unless it holds FP8 codes already), then the
-    Triton GEMM or torch._scaled_mm (see `takes_scaled_mm`; the `use_scaled_mm` / `config` /
-    `preload` (PRE_K) arguments override the choice: tests and bench/). split_k > 1 runs the
-    Triton GEMM, in the decode chain launched early (PDL) with its preload."""
+    Triton GEMM or torch._scaled_mm (see `takes_scaled_mm`; the `use_scaled_mm` / `config`
+    arguments override the choice: tests and bench/). split_k > 1 runs the Triton GEMM, in the
+    decode chain launched early (PDL)."""
     out_dtype = check_linear_fp8(x, weight, weight_scale, input_scale, out_dtype, split_k)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
@@ -233,16 +211,15 @@ def linear_fp8_triton(x, weight, weight_scale, input_scale, out_dtype=None, spli
                     device=x.device)
     if m:
         pdl = split_k > 1 and decode_chain(x.device)
-        pre_k = preload_channels(k, split_k, pdl) if preload is None else preload
-        cfg = _config(m, n, k, config, split_k, pre_k)
+        cfg = _config(m, n, k, config, split_k)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k)
         stride_ws = 0 if weight_scale.dim() == 0 else 1
         _linear_fp8_kernel[grid](
             xq, input_scale, weight, weight_scale, y, m, n, k, split_channels(k, split_k),
             xq.stride(0), weight.stride(0), stride_ws, y.stride(1), y.stride(0), SWAP=cfg.swap,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            SPLIT=split_k, PRE_K=pre_k, PRE_FMA=preload_fma, PDL=pdl, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl_launch(pdl),
+            SPLIT=split_k, PDL=pdl, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **(launch_early(x.device, "linear") if pdl else {}),
         )
     if split_k > 1:
         return y.reshape(split_k, *x.shape[:-1], n)

@@ -124,8 +124,9 @@ def _moe_fp8_kernel(a_ptr, a_desc, a_tail_desc, a_scale_ptr, w_ptr, w_desc, ws_p
     # TMA (tail-block layouts only): activation rows already in sorted order (a_ptr is indexed
     # by sorted row) and weights as [E * N_total, K], all loaded by the TMA.
     # OVERLAP (direct pairs): the down GEMM launches early (PDL) and each of its programs waits
-    # for its pair's h tiles, which gate/up counts in flags_ptr (_moe_common).
-    if OVERLAP and GATED and PDL:
+    # for its pair's h tiles, which gate/up counts in flags_ptr (_moe_common). The down GEMM
+    # lets the next kernel (the boundary norm, in the decode chain: _pdl.py) launch early.
+    if OVERLAP and PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if TAIL_M == 0:

@@ -133,8 +133,9 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw
     # the down GEMM then takes as is (SIDE A_SIDE_PAIRS_ORDERED). COMBINE (down, direct pairs):
     # the last program of a token's column tile also combines the token's slots into comb_ptr.
     # OVERLAP (direct pairs): gate/up counts each pair's stored h tiles in flags_ptr, the down
-    # GEMM (launched early with PDL) waits for ready_count of its pair's (_moe_common).
-    if OVERLAP and GATED and PDL:
+    # GEMM (launched early with PDL) waits for ready_count of its pair's (_moe_common). The
+    # down GEMM lets the next kernel (the boundary norm, in the decode chain) launch early.
+    if OVERLAP and PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):

@@ -45,7 +45,7 @@ from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix, for the gate
 from ._attention_tiles import dot_precision
 from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2,
                       rows_times_weights, sum_partials, summed_partials)
-from ._pdl import decode_chain, let_next_launch
+from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from ._rope import rope_inv_freq, rotation, rotation_constants
 from .cache_write import check_slots, ref_cache_write, store_cache_rows
 from .registry import dispatch, register
@@ -189,7 +189,10 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
     # or the last part: k, v, the cache rows and a packed gate). GATE_X: the programs after
     # those compute the gate from x tile by tile (tokens x heads).
     PARTS: tl.constexpr = (HQ + QH - 1) // QH + 1
-    let_next_launch(PDL)  # the decode chain: the attention launches now and waits (_pdl.py)
+    # PDL (the decode chain, _pdl.py): launched during the q/k/v GEMM, it lets the attention
+    # launch and waits for the GEMM's output.
+    let_next_launch(PDL)
+    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     if pid < T * PARTS:
         t = (pid // PARTS).to(tl.int64)
@@ -267,6 +270,7 @@ def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_ca
         gp = dict(GATE_T=1, GATE_G=1, GATE_K=1, GATE_DOT=False)
         x = g_weight = rows
     inv_freq = positions if is_full else rope_inv_freq(rope_theta, d, qkvg.device)  # (unread)
+    pdl = decode_chain(qkvg.device)
     _qk_prep_kernel[(grid,)](
         qkvg, positions, inv_freq, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
         k_scale, v_scale, x, g_weight, q, k, v, gate, t, x.shape[1], rows.stride(0),
@@ -274,7 +278,8 @@ def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_ca
         k_cache.stride(1), k_cache.stride(2), eps, *rotation_constants(ssmax_base, ssmax_exponent),
         PARTIALS=partials, IS_FULL=is_full, HQ=hq, HKV=hkv, D=d, QH=qh, BLOCK_HQ=next_pow2(hq),
         BLOCK_HKV=next_pow2(hkv), BLOCK_D2=next_pow2(d // 2), GATE_X=gate_x,
-        DOT_PREC=dot_precision(dtype), PDL=decode_chain(qkvg.device), num_warps=4, **gp)
+        DOT_PREC=dot_precision(dtype), PDL=pdl, num_warps=4, **gp,
+        **launch_early(qkvg.device, "qk_prep"))
     return q, k, v, gate
 
 

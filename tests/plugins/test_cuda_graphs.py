@@ -79,3 +79,76 @@ def test_moe_nvfp4_combine_replays_in_a_cuda_graph(t):
         assert torch.equal(captured, eager)
         torch.cuda.synchronize()
         assert sync_counters_all_zero()
+
+
+def _chain_inputs(seed: int):
+    """One batch-1 decode layer's attention half on random weights at Beam's widths (FP8 GEMMs
+    split in two over K, a paged FP8 cache holding 300 positions)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    hq, hkv, d, h = 48, 8, 128, 5120
+    fp8 = lambda *shape: (torch.randn(*shape, device="cuda", generator=gen) / 8).to(  # noqa: E731
+        torch.float8_e4m3fn)
+    case = attention_case([Seq(300, 1)], hq, hkv, d, 0, 16, torch.bfloat16, torch.float8_e4m3fn,
+                          seed=seed, device="cuda")
+    pos = 300
+    block = case["cache_index"][0, pos // 16].long()
+    ones = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor(0.05, device="cuda")
+    return dict(
+        case=case, slot=(block * 16 + pos % 16).view(1), pos=case["q_start"].long(),
+        h=torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=gen),
+        y=torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=gen), norm_w=ones,
+        scale=scale, w_qkv=fp8(hq * d + 2 * hkv * d + hq, h), w_o=fp8(h, hq * d),
+        ws_qkv=torch.full((hq * d + 2 * hkv * d + hq,), 0.02, device="cuda"),
+        ws_o=torch.full((h,), 0.02, device="cuda"), qk_w=torch.ones(d, device="cuda",
+                                                                    dtype=torch.bfloat16),
+        router=(torch.randn(256, h, device="cuda", generator=gen) / 40,
+                torch.randn(256, device="cuda", generator=gen) / 20))
+
+
+def _chain_ops(a):
+    """add_rmsnorm_fp8 -> q/k/v -> qk_prep -> attention -> o_proj -> add_rmsnorm_fp8 -> router:
+    the kernels the decode chain launches early (plugins/_pdl.py)."""
+    ops, c, bf16 = torch.ops.beam, a["case"], torch.bfloat16
+    h, _, xq = ops.add_rmsnorm_fp8(a["h"], a["y"], a["norm_w"], a["norm_w"], a["scale"], 0.9, 0.4,
+                                   1e-6)
+    qkvg = ops.linear_fp8(xq, a["w_qkv"], a["ws_qkv"], a["scale"], bf16, 2)  # (as the engine)
+    q, k, v, gate = ops.qk_prep(qkvg, a["pos"], a["qk_w"], a["qk_w"], c["k_cache"], c["v_cache"],
+                                a["slot"], c["k_scale"], c["v_scale"], True, 1e-6, 1e4, 2048.0,
+                                0.1, out_dtype=bf16)
+    o = ops.attention(q, k, v, gate, c["k_cache"], c["v_cache"], c["cu_seqlens_q"], c["q_start"],
+                      c["hist_start"], c["cache_index"], 0, c["k_scale"], c["v_scale"],
+                      a["scale"])
+    y = ops.linear_fp8(o, a["w_o"], a["ws_o"], a["scale"], bf16, 3)
+    h, x, xq = ops.add_rmsnorm_fp8(h, y, a["norm_w"], a["norm_w"], a["scale"], 0.9, 0.4, 1e-6)
+    ids, weights = ops.group_router(x, *a["router"], 8, 4, 8, 2.5, True)
+    return q, gate, o, h, xq, ids, weights
+
+
+@pytest.mark.parametrize("links", [True, "all"])
+def test_decode_chain_replays_bit_equal_to_serial_launches(links):
+    """The decode chain (kernels launched early by PDL, waiting for their inputs; the default
+    links, then all) captured in a CUDA graph gives the serial launches' bits, replay after
+    replay on new inputs."""
+    from plugins import _pdl
+
+    a = _chain_inputs(3)
+    try:
+        _pdl.set_decode_chain(links)
+        _chain_ops(a)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _chain_ops(a)
+        for seed in range(20):
+            fresh = _chain_inputs(100 + seed)
+            for name in ("h", "y"):
+                a[name].copy_(fresh[name])
+            graph.replay()
+            _pdl.set_decode_chain(False)
+            serial = _chain_ops(a)
+            _pdl.set_decode_chain(links)
+            for got, want in zip(captured, serial):
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    finally:
+        _pdl.set_decode_chain(True)

@@ -82,7 +82,7 @@ def test_fp8_gemm_path_choice():
 
 def test_fp8_split_k_reference_meta_rule_and_errors(monkeypatch):
     """split_k: FP32 partials over 128-aligned channel ranges that add up to the GEMM (meta
-    shape [S, ..., N]); `decode_split_k` splits batch-1 o_proj and q/k/v shapes on 132 SMs only;
+    shape [S, ..., N]); `decode_split_k` splits batch-1 o_proj (3) and q/k/v (2) shapes on 132 SMs;
     split_k < 1 is refused."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.randn(2, 3, 400).to(torch.bfloat16)
@@ -95,9 +95,11 @@ def test_fp8_split_k_reference_meta_rule_and_errors(monkeypatch):
     meta = torch.ops.beam.linear_fp8(*(a.to("meta") for a in args), None, 3)
     assert meta.shape == (3, 2, 3, 48) and meta.dtype == torch.float32
     rule = linear_fp8.decode_split_k
-    assert rule(1, 5120, 6144, 132) == 2  # o_proj: 80 tiles of 64 rows
+    assert rule(1, 5120, 6144, 132) == 3  # o_proj: 80 tiles of 64 rows, 240 programs
+    assert rule(1, 5120, 6144, 114) == 2  # ... 160 on 114 SMs (240 would need a second wave)
     assert rule(1, 8192, 5120, 132) == 2  # q/k/v: 128 tiles
     assert rule(1, 8192, 5120, 114) == 1  # ... but not on 114 SMs (a second wave)
+    assert rule(1, 5120, 4096, 132) == 2  # 3 splits would leave fewer than 2048 channels
     assert rule(17, 5120, 6144, 132) == 1 and rule(1, 256, 2048, 132) == 1
     assert rule(1, 49152, 5120, 132) == 1  # the dense gate/up: 768 tiles
     with pytest.raises(PluginError, match="split_k must be >= 1, got 0"):

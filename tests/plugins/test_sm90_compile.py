@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import plugins  # noqa: F401
-from plugins import _moe_common
+from plugins import _moe_common, _pdl
 from beam_trtllm.config import PRESETS
 from kernel_cases import Seq, attention_case
+from plugins._attention_decode import launch_decode
 from plugins.add_rmsnorm import _launch_add_rmsnorm
 from plugins.add_rmsnorm_fp8 import _launch_add_rmsnorm_fp8
 from plugins.attention import _launch_attention
@@ -143,8 +144,9 @@ OUTSIDE_LOOP_SPILLS = {"_moe_nvfp4_kernel": 32}
 
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_kernels_compile_for_hopper_without_spills(build, monkeypatch):
-    # the target has PDL (the CPU box, where it builds, not)
+    # the target has PDL (the CPU box, where it builds, not): the decode chain's forms
     monkeypatch.setattr(_moe_common, "has_pdl", lambda device: True)
+    monkeypatch.setattr(_pdl, "has_pdl", lambda device: True)
     with compile_instead_of_launch() as compiled:
         BUILDS[build]()
     assert compiled
@@ -169,11 +171,86 @@ def test_kernels_compile_for_hopper_without_spills(build, monkeypatch):
                 f"{name} stages the decoded tile in shared memory ({stores} stores, {mmas} MMAs)"
         if build == "nvfp4-decode" and name == "_moe_nvfp4_kernel":  # words by the TMA
             assert in_loops(kernel, r"\bUTMALDG\b"), f"{name}: weight words not loaded by the TMA"
-            # direct pairs overlap the GEMMs: gate/up lets the down GEMM launch early (PDL)
-            gated = "griddepcontrol.launch_dependents" in kernel.asm["ptx"]
-            assert gated != kernel.metadata.launch_pdl, f"{name}: GEMMs not overlapped"
+            # direct pairs overlap the GEMMs: gate/up lets the down GEMM launch early (PDL),
+            # the down GEMM the boundary norm
+            assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"], name
         if name in ("_linear_fp8_kernel", "_moe_fp8_kernel"):  # swap-AB: weights on wgmma's M
             assert "warp_group_dot" in kernel.asm["ttgir"], f"{name} does not use wgmma"
         if build == "moe-fp8-prefill" and name == "_moe_fp8_kernel":  # TMA loads, no cp.async
             assert in_loops(kernel, r"\bUTMALDG\b") and not in_loops(kernel, r"\bLDGSTS\b"), \
                 f"{name}: prefill operands not loaded by the TMA"
+
+
+def _decode_chain():
+    """A batch-1 decode layer's kernels in the decode chain (plugins/_pdl.py), in order."""
+    w, one = torch.ones(H, dtype=BF16), torch.ones(())
+    _launch_add_rmsnorm_fp8(torch.randn(1, H, dtype=BF16), torch.randn(1, H, dtype=BF16), w, w,
+                            one, 0.9, 0.4, 1e-6)
+    n = HQ * D + 2 * HKV * D
+    linear_fp8_triton(torch.zeros(1, H, dtype=FP8), torch.zeros(n, H, dtype=FP8), torch.ones(n),
+                      one, BF16, split_k=2)
+    _qk_prep(FP8, False, 1, gate_from_x=True)
+    case = attention_case([Seq(300, 1)], HQ, HKV, D, 0, 64, BF16, FP8)
+    case.pop("cu_seqlens_q")
+    launch_decode(**case, out_scale=one, config={"splits": 4})  # split + combine, as at batch 1
+    linear_fp8_triton(torch.zeros(1, HQ * D, dtype=FP8), torch.zeros(H, HQ * D, dtype=FP8),
+                      torch.ones(H), one, BF16, split_k=2)
+    _launch_group_router(torch.randn(1, H, dtype=BF16), torch.randn(256, H), torch.zeros(256), 8,
+                         4, 8, 2.5, True)
+
+
+CHAIN_KERNELS = ["_add_rmsnorm_kernel", "_linear_fp8_kernel", "_qk_prep_kernel",
+                 "_decode_split_kernel", "_decode_combine_kernel", "_linear_fp8_kernel",
+                 "_router_logits_kernel", "_router_select_kernel"]
+# Kernels of the chain that let their successor launch early (all but the router's selection,
+# whose successor, the MoE's gate/up GEMM, has nothing to do before the routing exists).
+LETS_NEXT_LAUNCH = {"_add_rmsnorm_kernel", "_linear_fp8_kernel", "_qk_prep_kernel",
+                    "_decode_split_kernel", "_decode_combine_kernel", "_router_logits_kernel"}
+
+
+@pytest.fixture
+def every_link():
+    _pdl.set_decode_chain("all")
+    yield
+    _pdl.set_decode_chain(True)
+
+
+def test_decode_chain_kernels_launch_early_and_wait_before_they_write(monkeypatch, every_link):
+    """On sm_90, with every link of the chain on, each of its kernels is launched with PDL and,
+    before its griddepcontrol.wait, neither stores nor starts an asynchronous copy (its
+    predecessor may still read that memory or write its inputs)."""
+    monkeypatch.setattr(_pdl, "has_pdl", lambda device: True)
+    with compile_instead_of_launch() as compiled:
+        _decode_chain()
+    names = [name for name, _ in compiled]
+    assert names == CHAIN_KERNELS, names
+    for name, kernel in compiled:
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.launch_pdl, f"{name} is not launched early"
+        assert ("griddepcontrol.launch_dependents" in ptx) == (name in LETS_NEXT_LAUNCH), name
+        before_wait = ptx[:ptx.index("griddepcontrol.wait")]
+        for op in ("st.global", "atom.", "red.", "cp.async"):
+            assert op not in before_wait, f"{name}: {op} before griddepcontrol.wait"
+
+
+def test_default_decode_chain_launches_the_split_gemms_early(monkeypatch):
+    """The default links (_pdl.DEFAULT_LINKS): the split GEMMs are launched early; the other
+    kernels are built for the chain (they let the next kernel launch, and wait) but launched in
+    order."""
+    monkeypatch.setattr(_pdl, "has_pdl", lambda device: True)
+    with compile_instead_of_launch() as compiled:
+        _decode_chain()
+    early = {"_linear_fp8_kernel"}
+    for name, kernel in compiled:
+        assert kernel.metadata.launch_pdl == (name in early), name
+
+
+def test_without_pdl_no_kernel_waits(monkeypatch):
+    """Off the chain (pre-Hopper GPUs; here the CPU's compile, which has no PDL) the same
+    kernels are plain launches without griddepcontrol."""
+    monkeypatch.setattr(_pdl, "has_pdl", lambda device: False)
+    with compile_instead_of_launch() as compiled:
+        _decode_chain()
+    for name, kernel in compiled:
+        assert not kernel.metadata.launch_pdl, name
+        assert "griddepcontrol" not in kernel.asm["ptx"], name
