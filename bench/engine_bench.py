@@ -139,9 +139,8 @@ REPEATS = 8  # layers one graph chains in the steady-state measurement
 def _chain(model, i: int, h, x, xq, s, repeats: int):
     """Layer i run `repeats` times, each on the previous run's output (as the whole-model graph
     chains 52 layers; the weights streamed in between are far larger than the L2)."""
-    for _ in range(repeats):  # (the q/k/v prefetched into L2 at its end: its own, next)
-        h, x, xq = model.layer(i, h, x, xq, s, next_layer=i)
-    model.prefetch.join()
+    for _ in range(repeats):
+        h, x, xq = model.layer(i, h, x, xq, s)
     return h, x, xq
 
 
@@ -156,7 +155,7 @@ def decode_layers(engine, chunk, device, iters: int) -> tuple[list[float], list[
         for i in range(len(model.layers)):
             x, xq = layer_input(model, i, h)
             for _ in range(2):
-                _chain(model, i, h, x, xq, s, 1)
+                model.layer(i, h, x, xq, s)
             if device.type != "cuda":
                 single.append(cuda_time(lambda: model.layer(i, h, x, xq, s), 3, device))
                 chained.append(single[-1])
@@ -336,9 +335,8 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
 
 def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
     """The per-layer chained decode times under each decode-chain variant (plugins/_pdl.py:
-    "off", "default", "all", or links joined by ","; a "/noprefetch" suffix also turns the
-    model's L2 prefetch off; variants separated by ";"), alternating, `rounds` times each (same
-    process, same weights: an A/B within one lease)."""
+    "off", "default", "all", or links joined by ","; variants separated by ";"), alternating, `rounds`
+    times each (same process, same weights: an A/B within one lease)."""
     from plugins import _pdl
 
     def links(v):
@@ -349,15 +347,12 @@ def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
     try:
         for r in range(rounds):
             for v in variants.split(";"):
-                chain, _, prefetch = v.partition("/")
-                _pdl.set_decode_chain(links(chain))
-                engine.model.prefetch.enabled = prefetch != "noprefetch"
+                _pdl.set_decode_chain(links(v))
                 _, chained = decode_layers(engine, chunk, device, 200)
                 out.append({"round": r, "chain": v, "chained_ms": chained})
                 log(f"decode chain {v}: chained ms " + " / ".join(f"{c:.4f}" for c in chained))
     finally:
         _pdl.set_decode_chain(True)
-        engine.model.prefetch.enabled = True
     return out
 
 

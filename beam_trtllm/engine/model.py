@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from ..config import BeamConfig
 from .kv_cache import KVCache
-from .prefetch import L2Prefetch
 from .types import EngineError
 from .weights import LAYER_NORMS
 
@@ -115,7 +114,6 @@ class BeamModel:
         rope_inv_freq(cfg.rope_theta, cfg.head_dim, device)
         prepare_counters(device)  # the MoE ops' counters of this stream, likewise (graphs.py
         # captures on its warm-up stream, whose counters the warm-up makes)
-        self.prefetch = L2Prefetch(device, self.ops)
         take = _Taker(weights)
         self.embed = take("model.embed_tokens.weight")
         self.layers = [self._layer(take, layer_plan.get(f"layer{i}", {}), i)
@@ -166,7 +164,6 @@ class BeamModel:
         x, xq = self.input_norm(h)
         for i in range(len(self.layers)):
             h, x, xq = self.layer(i, h, x, xq, s)
-        self.prefetch.join()
         return self.logits(x, s)
 
     def input_norm(self, h: torch.Tensor):
@@ -186,21 +183,14 @@ class BeamModel:
         return self.ops.add_rmsnorm_fp8(h, y, w_post, w_pre, scale, a, b, eps, y_weights)
 
     def layer(self, i: int, h: torch.Tensor, x: torch.Tensor, xq: torch.Tensor | None,
-              s: StepInputs, next_layer: int | None = -1):
+              s: StepInputs):
         """Decoder layer i: (residual stream h, its pre-attention norm x, x's FP8 codes or None)
-        -> the same for the next layer (after the last, x is the final norm's output).
-        `next_layer`: the layer that runs next, whose q/k/v weights are prefetched into L2
-        during the boundary norm (-1: i + 1; bench/ runs one layer over and over)."""
+        -> the same for the next layer (after the last, x is the final norm's output)."""
         layer = self.layers[i]
         y = self._attention(i, layer, x, xq, s)
         h, x, xq = self.boundary(h, y, layer["post_attention_layernorm"],
                                   layer["pre_feedforward_layernorm"], 2 * i, layer["ffn_in_scale"])
         y, y_weights = self._ffn(i, layer, x, xq)
-        nxt = i + 1 if next_layer == -1 else next_layer
-        if nxt is not None and nxt < len(self.layers):
-            qkvg = self.layers[nxt]["self_attn.qkvg_proj"]
-            codes = self.layers[nxt]["attn_in_scale"] is not None
-            self.prefetch.start(self._split_weight(qkvg, x.shape[0], codes))
         last = i + 1 == len(self.layers)
         nxt = self.final_norm if last else self.layers[i + 1]["input_layernorm"]
         scale = None if last else self.layers[i + 1]["attn_in_scale"]
@@ -218,9 +208,6 @@ class BeamModel:
         k_cache, v_cache = kv.layer(i)
         ks, vs = kv.k_scale_t[i], kv.v_scale_t[i]
         qkvg = self._split_linear(x, layer["self_attn.qkvg_proj"], xq)
-        # o_proj's weights into L2 while qk_prep and the attention run (prefetch.py)
-        self.prefetch.start(self._split_weight(layer["self_attn.o_proj"], x.shape[0],
-                                               layer["o_in_scale"] is not None))
         gate_from_x = () if layer["g_weight"] is None else (x, layer["g_weight"])
         q, k, v, gate = ops.qk_prep(qkvg, s.positions, layer["q_norm"], layer["k_norm"], k_cache,
                                     v_cache, s.slot_full if full else s.slot_sliding, ks, vs, full,
@@ -245,14 +232,6 @@ class BeamModel:
         if o_scale is None:
             return _linear(o, layer["self_attn.o_proj"])
         return self._split_linear(None, layer["self_attn.o_proj"], o)
-
-    def _split_weight(self, segments, t: int, codes: bool) -> torch.Tensor | None:
-        """The weight of a GEMM over t tokens that `_split_linear` runs split (a few tokens on
-        a GPU, on FP8 codes (`codes`): a decode step), else None."""
-        if not codes or len(segments) != 1 or segments[0][0] != "fp8":
-            return None
-        w = segments[0][1]["weight"]
-        return w if self.split_k(t, *w.shape) > 1 else None
 
     def _split_linear(self, x, segments, xq):
         """`_linear`, except that a single FP8 segment on FP8 codes over a few tokens may
