@@ -3,9 +3,9 @@ while the kernel before it on the stream still runs, once every program of that 
 `griddepcontrol.launch_dependents` (or exited); `griddepcontrol.wait` then blocks until the
 earlier kernel has finished and its writes are visible.
 
-The batch-1 decode launches its split FP8 GEMMs (q/k/v, o_proj) this way: their programs are
-resident, past their prologue, when the kernel before them finishes (docs/DESIGN.md §2, "the
-decode chain"). The rules every kernel of a chain keeps:
+The batch-1 decode launches its split FP8 GEMMs (q/k/v, o_proj) and its norms this way: their
+programs are resident, past their prologue, when the kernel before them finishes
+(docs/DESIGN.md §2, "the decode chain"). The rules every kernel of a chain keeps:
 - before `wait_for_inputs` it reads only data no kernel of the step writes (weights, scales),
   and it writes nothing (the kernel before it may still be reading that memory);
 - a kernel that lets its successor launch early (`let_next_launch`) does so whether or not
@@ -24,12 +24,13 @@ from .registry import triton_interpreted
 
 # Where the decode chain may launch a kernel early: the `link` of `launch_early`. On by
 # default: the split FP8 GEMMs (q/k/v behind the boundary norm, o_proj behind the attention's
-# combine). The H200 A/B (bench/engine_bench.py --chain-ab, docs/BENCHMARKS.md session 13):
-# a sliding MoE layer 1.5 us faster with these alone; 1.5-3 us slower with the attention's
-# kernels launched early as well, 5 us slower with every link (which helped the dense and the
-# full-attention layers, by 3 and 1.5 us).
+# combine) and the whole-row norms (behind o_proj, the MoE's down GEMM, a dense layer's GEMMs).
+# The H200 A/Bs (bench/engine_bench.py --chain-ab, docs/BENCHMARKS.md session 13): a sliding
+# MoE layer 1.5-2 us faster with the GEMMs early, the norms adding nothing there and 5 us on a
+# dense layer; 1.5-3 us slower with the attention's kernels early too, 2-3 us with qk_prep,
+# 5 us with every link.
 LINKS = ("norm", "linear", "qk_prep", "attention", "router")
-DEFAULT_LINKS = ("linear",)
+DEFAULT_LINKS = ("linear", "norm")
 _CHAIN = {"links": frozenset(DEFAULT_LINKS)}
 
 

@@ -233,14 +233,14 @@ def test_decode_chain_kernels_launch_early_and_wait_before_they_write(monkeypatc
             assert op not in before_wait, f"{name}: {op} before griddepcontrol.wait"
 
 
-def test_default_decode_chain_launches_the_split_gemms_early(monkeypatch):
-    """The default links (_pdl.DEFAULT_LINKS): the split GEMMs are launched early; the other
-    kernels are built for the chain (they let the next kernel launch, and wait) but launched in
-    order."""
+def test_default_decode_chain_launches_the_split_gemms_and_norms_early(monkeypatch):
+    """The default links (_pdl.DEFAULT_LINKS): the split GEMMs and the norms are launched
+    early; the other kernels are built for the chain (they let the next kernel launch, and
+    wait) but launched in order."""
     monkeypatch.setattr(_pdl, "has_pdl", lambda device: True)
     with compile_instead_of_launch() as compiled:
         _decode_chain()
-    early = {"_linear_fp8_kernel"}
+    early = {"_linear_fp8_kernel", "_add_rmsnorm_kernel"}
     for name, kernel in compiled:
         assert kernel.metadata.launch_pdl == (name in early), name
 
