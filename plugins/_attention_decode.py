@@ -46,8 +46,8 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
                          PDL: tl.constexpr):
     # NUM_SPLITS == 1: one program holds the whole context of its (sequence, KV head) and
     # writes the gated output itself (what the combine does with one split, bit for bit).
-    # PDL (the decode chain, _pdl.py): launched during qk_prep, it lets the combine (or the
-    # o_proj) launch at once and waits for qk_prep's q / k / v and cache rows.
+    # PDL (the decode chain, _pdl.py): it lets the combine (or the o_proj) launch at once and
+    # waits for qk_prep's q / k / v and cache rows.
     let_next_launch(PDL)
     wait_for_inputs(PDL)
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -124,7 +124,7 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
                            D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                            NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                            ACT: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr):
-    let_next_launch(PDL)  # the o_proj launches now and preloads its weights
+    let_next_launch(PDL)  # the o_proj launches now (the decode chain, _pdl.py)
     wait_for_inputs(PDL)
     b, h = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, BLOCK_G)

@@ -11,7 +11,9 @@ programs are resident, past their prologue, when the kernel before them finishes
 - a kernel that lets its successor launch early (`let_next_launch`) does so whether or not
   the successor was launched with PDL: without it the call does nothing;
 - the wait is transitive: a kernel finishes only after its own wait has returned, so a
-  chain a -> b -> c orders c's reads after a's writes too.
+  chain a -> b -> c orders c's reads after a's writes too. (The MoE's down GEMM waits on its
+  pairs' counters instead, docs/DESIGN.md §2: it finishes only after reading every h tile
+  gate/up writes, and gate/up writes nothing else the next kernels read.)
 """
 
 from __future__ import annotations
