@@ -28,7 +28,7 @@ from ._gemm import round_to
 from ._moe_sort import (  # noqa: F401  (re-exported)
     Routing, max_row_blocks, max_sorted_rows, plan_routing, routing_ptrs, tail_ptrs,
 )
-from ._pdl import has_pdl  # noqa: F401  (re-exported; tests patch it here)
+from . import _pdl
 from .registry import PluginError
 
 DIRECT_MAX_PAIRS = 64  # at most this many (token, expert) pairs: no sort, one pair per block
@@ -296,7 +296,7 @@ def overlap_launch(overlap, device: torch.device, group_m: int, gated: bool):
     the device has PDL the down GEMM is launched early."""
     if overlap is None:
         return None, 0, dict(GROUP_M=group_m, OVERLAP=False, PDL=False)
-    pdl = has_pdl(device)
+    pdl = _pdl.has_pdl(device)
     launch = {"launch_pdl": True} if pdl and not gated else {}
     return (*overlap, dict(GROUP_M=1, OVERLAP=True, PDL=pdl, **launch))
 

@@ -170,15 +170,14 @@ def _launch_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
     p = logits_launch_params(t)
     logits = x.new_empty(p["SPLIT"], t, e, dtype=torch.float32)
     grid = (triton.cdiv(e, p["BLOCK_E"]), triton.cdiv(t, p["BLOCK_T"]), p["SPLIT"])
-    pdl = decode_chain(x.device)
-    _router_logits_kernel[grid](x, weight, logits, t, e, h, x.stride(0), PDL=pdl, **p,
-                                **launch_early(x.device, "router"))
+    pdl, early = decode_chain(x.device), launch_early(x.device, "router")
+    _router_logits_kernel[grid](x, weight, logits, t, e, h, x.stride(0), PDL=pdl, **p, **early)
     epg = e // n_group
     _router_select_kernel[(t,)](
         logits, bias, ids, weights, routed_scaling_factor, t * e, E=e, NG=n_group, EPG=epg,
         TOPK_GROUP=topk_group, K=k, RENORM=renormalize, SPLIT=p["SPLIT"], NG_P2=next_pow2(n_group),
         EPG_P2=next_pow2(epg), K_P2=next_pow2(k), PDL=pdl, num_warps=1 if e <= 256 else 4,
-        **launch_early(x.device, "router"))
+        **early)
     return ids, weights
 
 

@@ -43,6 +43,7 @@ from ._moe_common import (
     empty_output, finish, has_tma, overlap_launch, pair_overlap, past_last_row, plan_routing,
     ref_moe, routing_ptrs, signal_ready, tail_ptrs, tma_addressable, wait_for_pair,
 )
+from ._pdl import let_next_launch
 from .registry import dispatch, register
 from .tuning import tuned_moe
 
@@ -126,8 +127,7 @@ def _moe_fp8_kernel(a_ptr, a_desc, a_tail_desc, a_scale_ptr, w_ptr, w_desc, ws_p
     # OVERLAP (direct pairs): the down GEMM launches early (PDL) and each of its programs waits
     # for its pair's h tiles, which gate/up counts in flags_ptr (_moe_common). The down GEMM
     # lets the next kernel (the boundary norm, in the decode chain: _pdl.py) launch early.
-    if OVERLAP and PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    let_next_launch(OVERLAP and PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if TAIL_M == 0:
         if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):

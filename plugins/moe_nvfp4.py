@@ -39,6 +39,7 @@ from ._moe_common import (
     past_last_row, plan_routing, ref_moe, routing_ptrs, signal_ready, tma_addressable,
     wait_for_pair,
 )
+from ._pdl import let_next_launch
 from ._tiles import A_SIDE_PAIRS, nvfp4_k_loop, nvfp4_side, pairs_position
 from .registry import dispatch, register, triton_interpreted
 from .tuning import tuned_moe
@@ -135,8 +136,7 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw
     # OVERLAP (direct pairs): gate/up counts each pair's stored h tiles in flags_ptr, the down
     # GEMM (launched early with PDL) waits for ready_count of its pair's (_moe_common). The
     # down GEMM lets the next kernel (the boundary norm, in the decode chain) launch early.
-    if OVERLAP and PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    let_next_launch(OVERLAP and PDL)
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if past_last_row(pid_m, num_rows_ptr, DIRECT, BLOCK_M):
         return

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import plugins  # noqa: F401
-from plugins import _moe_common, _pdl
+from plugins import _pdl
 from beam_trtllm.config import PRESETS
 from kernel_cases import Seq, attention_case
 from plugins._attention_decode import launch_decode
@@ -145,7 +145,6 @@ OUTSIDE_LOOP_SPILLS = {"_moe_nvfp4_kernel": 32}
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_kernels_compile_for_hopper_without_spills(build, monkeypatch):
     # the target has PDL (the CPU box, where it builds, not): the decode chain's forms
-    monkeypatch.setattr(_moe_common, "has_pdl", lambda device: True)
     monkeypatch.setattr(_pdl, "has_pdl", lambda device: True)
     with compile_instead_of_launch() as compiled:
         BUILDS[build]()
