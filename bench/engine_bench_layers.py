@@ -1,0 +1,172 @@
+"""One batch-1 decode step of the engine bench's model, layer by layer, on the GPU: each
+layer's time in CUDA graphs (once, and chained REPEATS times as the whole-model graph chains
+layers), layer 1's kernels inside the chained graph, the kernels each layer launches, and the
+decode chain's A/B (plugins/_pdl.py). Also the timing and log helpers bench/engine_bench.py
+shares. Used by bench/engine_bench.py."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from beam_trtllm.engine.batch import build_step
+
+
+def cuda_time(fn, iters: int, device) -> float:
+    """Median milliseconds of fn() over `iters` runs, timed with CUDA events (wall on CPU)."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def layer_input(model, i: int, h: torch.Tensor):
+    """(x, its FP8 codes or None) of layer i as the engine makes them: layer 0's input norm,
+    else the boundary that ends layer i - 1 (with layer i's q/k/v input scale)."""
+    if i == 0:
+        return model.input_norm(h)
+    prev, layer = model.layers[i - 1], model.layers[i]
+    _, x, xq = model.boundary(h, torch.randn_like(h), prev["post_feedforward_layernorm"],
+                              layer["input_layernorm"], 2 * i - 1, layer["attn_in_scale"])
+    return x, xq
+
+
+REPEATS = 8  # layers one graph chains in the steady-state measurement
+
+
+def _chain(model, i: int, h, x, xq, s, repeats: int):
+    """Layer i run `repeats` times, each on the previous run's output (as the whole-model graph
+    chains 52 layers; the weights streamed in between are far larger than the L2)."""
+    for _ in range(repeats):
+        h, x, xq = model.layer(i, h, x, xq, s)
+    return h, x, xq
+
+
+def decode_layers(engine, chunk, device, iters: int) -> tuple[list[float], list[float]]:
+    """Batch-1 decode time of each layer: (one replay of a graph holding the layer once, which
+    also pays the graph launch; the per-layer time of a graph chaining it REPEATS times, which
+    pays it once for all, as the whole-model graph does)."""
+    s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    model, single, chained = engine.model, [], []
+    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for i in range(len(model.layers)):
+            x, xq = layer_input(model, i, h)
+            for _ in range(2):
+                model.layer(i, h, x, xq, s)
+            if device.type != "cuda":
+                single.append(cuda_time(lambda: model.layer(i, h, x, xq, s), 3, device))
+                chained.append(single[-1])
+                continue
+            for repeats, out in ((1, single), (REPEATS, chained)):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    _chain(model, i, h, x, xq, s, repeats)
+                out.append(cuda_time(graph.replay, iters, device) / repeats)
+                del graph
+    return single, chained
+
+
+def graph_timeline(engine, chunk, device, i: int = 1, replays: int = 5) -> list[dict]:
+    """Layer i's kernels as they run inside the chained graph (torch profiler over replays):
+    per kernel, the median duration and the median idle gap before it (end of the previous
+    kernel to its start), over the middle repeats (the first pays the graph launch)."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    model = engine.model
+    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        x, xq = layer_input(model, i, h)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _chain(model, i, h, x, xq, s, REPEATS)
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not e.name.startswith(("Memcpy", "Memset"))),
+                     key=lambda e: e.time_range.start)
+    per_layer = len(kernels) // (replays * REPEATS)
+    if per_layer == 0 or len(kernels) != per_layer * replays * REPEATS:
+        return [{"error": f"{len(kernels)} kernel events for {replays} x {REPEATS} layers"}]
+    rows = []
+    for j in range(per_layer):
+        durs, gaps = [], []
+        for r in range(replays):
+            for rep in range(1, REPEATS - 1):
+                n = (r * REPEATS + rep) * per_layer + j
+                durs.append(kernels[n].time_range.elapsed_us())
+                gaps.append(kernels[n].time_range.start - kernels[n - 1].time_range.end)
+        rows.append({"name": kernels[j].name[:80], "us": statistics.median(durs),
+                     "gap_us": statistics.median(gaps)})
+    return rows
+
+
+def count_launches(engine, chunk, device) -> list[dict]:
+    """Kernels each layer launches in one eager batch-1 decode step (torch profiler)."""
+    if device.type != "cuda":
+        return [{} for _ in engine.model.layers]
+    from torch.profiler import ProfilerActivity, profile
+
+    s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    model, out = engine.model, []
+    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for i in range(len(model.layers)):
+            x, xq = layer_input(model, i, h)
+            model.layer(i, h, x, xq, s)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                model.layer(i, h, x, xq, s)
+                torch.cuda.synchronize()
+            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
+            out.append({"kernels": len(kernels), "memcpy_memset": len(events) - len(kernels),
+                        "names": [f"{e.time_range.elapsed_us():7.1f} us  {e.name[:90]}" for e in kernels],
+                        "kernel_us": sum(e.time_range.elapsed_us() for e in kernels)})
+    return out
+
+
+def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
+    """The per-layer chained decode times under each decode-chain variant (plugins/_pdl.py:
+    "off", "default", "all", or links joined by ","; variants separated by ";"), alternating,
+    `rounds` times each (same process, same weights: an A/B within one lease)."""
+    from plugins import _pdl
+
+    def links(v):
+        named = {"off": False, "default": True, "all": "all"}
+        return named[v] if v in named else v.split(",")
+
+    out = []
+    try:
+        for r in range(rounds):
+            for v in variants.split(";"):
+                _pdl.set_decode_chain(links(v))
+                _, chained = decode_layers(engine, chunk, device, 200)
+                out.append({"round": r, "chain": v, "chained_ms": chained})
+                log(f"decode chain {v}: chained ms " + " / ".join(f"{c:.4f}" for c in chained))
+    finally:
+        _pdl.set_decode_chain(True)
+    return out
