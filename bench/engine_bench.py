@@ -239,7 +239,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
     ap.add_argument("--chain-ab", default="", metavar="VARIANTS",
                     help="also time the layers under these decode-chain variants, alternating "
-                         "(e.g. 'off;default;all;linear'; links: plugins/_pdl.py LINKS)")
+                         "(e.g. 'off;default;all;linear'; links: plugins/_pdl.py LINKS, "
+                         "FOLDS; a variant may end in '|KEY=VALUE/...': decode attention "
+                         "DECODE_CONFIG overrides, e.g. 'default|min_split_short=512')")
     ap.add_argument("--chain-rounds", type=int, default=2)
     ap.add_argument("--skip-throughput", action="store_true",
                     help="no whole-model decode throughput (batch 1 and 64)")

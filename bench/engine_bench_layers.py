@@ -151,22 +151,31 @@ def count_launches(engine, chunk, device) -> list[dict]:
 
 def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
     """The per-layer chained decode times under each decode-chain variant (plugins/_pdl.py:
-    "off", "default", "all", or links joined by ","; variants separated by ";"), alternating,
-    `rounds` times each (same process, same weights: an A/B within one lease)."""
-    from plugins import _pdl
+    "off", "default", "all", or links and folds joined by ","; variants separated by ";"),
+    alternating, `rounds` times each (same process, same weights: an A/B within one lease).
+    A variant may end in "|KEY=VALUE/KEY=VALUE": integer overrides of the decode attention's
+    DECODE_CONFIG (plugins/_attention_decode.py) for that variant."""
+    from plugins import _attention_decode, _pdl
 
     def links(v):
         named = {"off": False, "default": True, "all": "all"}
         return named[v] if v in named else v.split(",")
 
+    saved = dict(_attention_decode.DECODE_CONFIG)
     out = []
     try:
         for r in range(rounds):
             for v in variants.split(";"):
-                _pdl.set_decode_chain(links(v))
+                chain, _, attn = v.partition("|")
+                _pdl.set_decode_chain(links(chain))
+                _attention_decode.DECODE_CONFIG.clear()
+                _attention_decode.DECODE_CONFIG.update(saved, **{
+                    key: int(val) for key, val in (kv.split("=") for kv in attn.split("/") if kv)})
                 _, chained = decode_layers(engine, chunk, device, 200)
                 out.append({"round": r, "chain": v, "chained_ms": chained})
                 log(f"decode chain {v}: chained ms " + " / ".join(f"{c:.4f}" for c in chained))
     finally:
         _pdl.set_decode_chain(True)
+        _attention_decode.DECODE_CONFIG.clear()
+        _attention_decode.DECODE_CONFIG.update(saved)
     return out

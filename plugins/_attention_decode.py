@@ -5,7 +5,9 @@ use 8 of the H200's 132 SMs. The cached keys of each pair are cut into NUM_SPLIT
 ranges, each program folds one range into a partial (max, sum, output) for the G query heads
 of its KV head (G rows of one tensor-core tile, so K/V are read once per group), and a second
 kernel merges the partials, applies the gate and writes the output (or, given the o_proj's
-input scale, its FP8 codes). With one split (batches of >= 2 * SMs / Hkv sequences, or short
+input scale, its FP8 codes). In the decode chain's "combine" fold (_pdl.py) there is no second
+kernel: the last split program of a (sequence, KV head) to store its partial merges them, the
+same bits (a ticket per pair from `_common.sync_counters`, put back to zero). With one split (batches of >= 2 * SMs / Hkv sequences, or short
 caches) the split program writes the output itself and the combine is not launched. NUM_SPLITS
 comes from shapes only (batch, heads, the cache's addressable length), so the launch is
 CUDA-graph safe.
@@ -19,7 +21,8 @@ import triton.language as tl
 
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
                                softmax_step, store_output)
-from ._common import FP8_DTYPE, TL_DTYPES, is_fp8, next_pow2, sm_count
+from . import _pdl
+from ._common import FP8_DTYPE, TL_DTYPES, is_fp8, next_pow2, sm_count, sync_counters
 from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from .tuning import tuned_decode
 
@@ -37,26 +40,27 @@ DECODE_CONFIG = dict(BLOCK_N=128, BLOCK_N_SHORT=64, short_capacity=2048, num_war
 @triton.jit
 def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, hist_ptr, index_ptr,
                          ks_ptr, vs_ptr, part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr,
-                         out_scale_ptr, stride_kn, stride_knh, stride_vn, stride_vnh, M,
+                         out_scale_ptr, tickets_ptr, stride_kn, stride_knh, stride_vn, stride_vnh, M,
                          block_size, stride_blk, stride_row, stride_head, window, qk_scale,
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
                          DOT_PREC: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, PRELOAD: tl.constexpr,
+                         FOLD_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr):
     # NUM_SPLITS == 1: one program holds the whole context of its (sequence, KV head) and
     # writes the gated output itself (what the combine does with one split, bit for bit).
     # PDL (the decode chain, _pdl.py): it lets the combine (or the o_proj) launch at once and
-    # waits for qk_prep's q / k / v and cache rows.
+    # waits for qk_prep's q / k / v. PRELOAD (launched early): the split's first K/V tile is
+    # read before the wait; no kernel of the step writes it (qk_prep writes only the step's
+    # own slot, position `start`, which no split reads: it comes from k_new / v_new), nor the
+    # step's metadata (host copies before the graph's first kernel).
     let_next_launch(PDL)
-    wait_for_inputs(PDL)
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = q_ptr.dtype.element_ty
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gd_mask = (g[:, None] < G) & (d[None, :] < D)
-    q = tl.load(q_ptr + (b * HQ + h * G + g[:, None]).to(tl.int64) * D + d[None, :],
-                mask=gd_mask, other=0.0)
     start = tl.load(q_start_ptr + b)
     lo = tl.load(hist_ptr + b)
     if window > 0:  # the query at `start` sees keys > start - window
@@ -73,7 +77,22 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     index_row = index_ptr + b.to(tl.int64) * M
     head_off = h * stride_head
-    for j0 in range(s_lo, s_hi, BLOCK_N):
+    first = s_lo
+    if PRELOAD:
+        j = s_lo + tl.arange(0, BLOCK_N)
+        valid = j < s_hi
+        offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row)
+        k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype)
+        v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype)
+    wait_for_inputs(PDL)
+    q = tl.load(q_ptr + (b * HQ + h * G + g[:, None]).to(tl.int64) * D + d[None, :],
+                mask=gd_mask, other=0.0)
+    if PRELOAD:  # the loop's first step (an empty split's tile is all -inf: no change)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+        first = s_lo + BLOCK_N
+    for j0 in range(first, s_hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         valid = j < s_hi
         offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row)
@@ -104,6 +123,14 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
         tl.store(part_o_ptr + (part + g[:, None]) * D + d[None, :], acc, mask=gd_mask)
         tl.store(part_m_ptr + part + g, m_i, mask=g < G)
         tl.store(part_l_ptr + part + g, l_i, mask=g < G)
+        if FOLD_COMBINE:  # the (sequence, KV head)'s last split to finish merges them all
+            tl.debug_barrier()  # every thread's stores precede the ticket (gpu-scope acq_rel)
+            ticket = tickets_ptr + b * HKV + h
+            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr,
+                              out_scale_ptr, b, h, HQ, HKV, G, D, BLOCK_G, BLOCK_D,
+                              NUM_SPLITS, BLOCK_S, ACT, OUT_FP8)
+                tl.atomic_xchg(ticket, 0)  # for the next launch
 
 
 @triton.jit
@@ -119,22 +146,21 @@ def _gated_output(acc, total, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_m
 
 
 @triton.jit
-def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr,
-                           HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                           D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                           ACT: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr):
-    let_next_launch(PDL)  # the o_proj launches now (the decode chain, _pdl.py)
-    wait_for_inputs(PDL)
-    b, h = tl.program_id(0), tl.program_id(1)
+def _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr, b, h,
+                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  BLOCK_S: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr):
+    """The gated output of (sequence b, KV head h) from its splits' partials (read from L2:
+    `.cg`, since in the folded form other programs stored them)."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     s = tl.arange(0, BLOCK_S)
     base = ((b * HKV + h) * NUM_SPLITS).to(tl.int64) * G
     sg_mask = (s[:, None] < NUM_SPLITS) & (g[None, :] < G)
     m = tl.load(part_m_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask,
-                other=float("-inf"))
-    l = tl.load(part_l_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask, other=0.0)
+                other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_l_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask, other=0.0,
+                cache_modifier=".cg")
     m_max = tl.max(m, axis=0)  # finite for real heads: the last split holds the step's own key
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padded head rows
     weight = tl.exp2(m - m_max[None, :])  # [BLOCK_S, BLOCK_G], 0 for empty splits
@@ -144,10 +170,23 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
     for i in tl.static_range(NUM_SPLITS):  # unrolled: every split's load is in flight at once
         w_i = tl.sum(tl.where(s[:, None] == i, weight, 0.0), axis=0)
         o_i = tl.load(part_o_ptr + (base + i * G + g[:, None]) * D + d[None, :], mask=gd_mask,
-                      other=0.0)
+                      other=0.0, cache_modifier=".cg")
         acc += w_i[:, None] * o_i
     _gated_output(acc, total, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_mask, HQ, G, D,
                   ACT, OUT_FP8)
+
+
+@triton.jit
+def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr,
+                           HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                           D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                           ACT: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr):
+    let_next_launch(PDL)  # the o_proj launches now (the decode chain, _pdl.py)
+    wait_for_inputs(PDL)
+    _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr,
+                  tl.program_id(0), tl.program_id(1), HQ, HKV, G, D, BLOCK_G, BLOCK_D,
+                  NUM_SPLITS, BLOCK_S, ACT, OUT_FP8)
 
 
 def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device,
@@ -181,19 +220,22 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
         part_o = q.new_empty(b, hkv, splits, g, d, dtype=torch.float32)
         part_m = q.new_empty(b, hkv, splits, g, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
-    pdl = decode_chain(q.device)
+    pdl, early = decode_chain(q.device), launch_early(q.device, "attention")
+    fold = splits > 1 and cfg.get("fold_combine", _pdl.folded("combine"))
+    tickets = sync_counters(q.device, b * hkv, "attention") if fold else out  # (unread)
     common = dict(HQ=hq, HKV=hkv, G=g, D=d, BLOCK_D=block_d, NUM_SPLITS=splits,
-                  ACT=TL_DTYPES[q.dtype], OUT_FP8=out.dtype == FP8_DTYPE, PDL=pdl,
-                  **launch_early(q.device, "attention"))
+                  BLOCK_S=next_pow2(splits), ACT=TL_DTYPES[q.dtype],
+                  OUT_FP8=out.dtype == FP8_DTYPE, PDL=pdl)
     _decode_split_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, q_start, hist_start, cache_index, k_scale, v_scale,
-        part_o, part_m, part_l, gate, out, out_scale, k_new.stride(0), k_new.stride(1),
+        part_o, part_m, part_l, gate, out, out_scale, tickets, k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), m, block_size, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), window, LOG2E / d**0.5, BLOCK_G=block_g, BLOCK_N=block_n,
-        IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype), **common,
+        IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype),
+        PRELOAD=cfg.get("preload", bool(early)), FOLD_COMBINE=fold, **common, **early,
         num_warps=cfg["num_warps"], num_stages=stages)
-    if splits > 1:
+    if splits > 1 and not fold:
         _decode_combine_kernel[(b, hkv)](
-            part_o, part_m, part_l, gate, out, out_scale, BLOCK_G=next_pow2(g),
-            BLOCK_S=next_pow2(splits), **common, num_warps=4)
+            part_o, part_m, part_l, gate, out, out_scale, BLOCK_G=next_pow2(g), **common,
+            **early, num_warps=4)
     return out

@@ -239,14 +239,57 @@ def rows_times_weights(x_ptr, stride_x, w_ptr, stride_w, t, e, k_lo, k_hi, T, E,
     tokens whose cost is reading w once (beam::group_router's logits, qk_prep's gate)."""
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :],
-                    mask=(t[:, None] < T) & (kk[None, :] < k_hi), other=0.0)
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + kk[None, :],
-                    mask=(e[:, None] < E) & (kk[None, :] < k_hi), other=0.0)
-        x = x.to(w.dtype)
-        if USE_DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w = weight_tile(w_ptr, stride_w, e, k0, k_hi, E, BLOCK_K)
+        acc += rows_times_tile(x_ptr, stride_x, w, t, k0, k_hi, T, BLOCK_K, USE_DOT, DOT_PREC)
     return acc
+
+
+@triton.jit
+def weight_tile(w_ptr, stride_w, e, k0, k_hi, E, BLOCK_K: tl.constexpr):
+    """w[e, k0:k0 + BLOCK_K] (zero beyond k_hi and E): one step of rows_times_weights, which a
+    decode-chain kernel reads before its wait when its range is one step."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + e[:, None].to(tl.int64) * stride_w + kk[None, :],
+                   mask=(e[:, None] < E) & (kk[None, :] < k_hi), other=0.0)
+
+
+@triton.jit
+def rows_times_tile(x_ptr, stride_x, w, t, k0, k_hi, T, BLOCK_K: tl.constexpr,
+                    USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """x[t, k0:k0 + BLOCK_K] · w^T for a weight_tile w, as rows_times_weights sums it."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + kk[None, :],
+                mask=(t[:, None] < T) & (kk[None, :] < k_hi), other=0.0)
+    x = x.to(w.dtype)
+    if USE_DOT:
+        return tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+    return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+
+# Last-program handoffs (a kernel's last program to finish does a follow-up's work): int32
+# counters the programs draw tickets from. The MoE's combine tickets ("combine") and pair
+# counters ("pairs"), the attention's per-(sequence, KV head) tickets ("attention"), the
+# router's per-token-block tickets ("router").
+COUNTER_KINDS = ("combine", "pairs", "attention", "router")
+_COUNTERS: dict = {}
+
+
+def sync_counters(device: torch.device, count: int, kind: str) -> torch.Tensor:
+    """>= count zeroed int32 counters of one `kind` (COUNTER_KINDS), one set per device and
+    stream (two launches running at once must not share them; the programs put back to zero
+    what they use, so the set stays zero between launches). Never freed: a CUDA graph keeps
+    the pointer it captured."""
+    assert kind in COUNTER_KINDS, kind
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    sets = _COUNTERS.setdefault((str(device), stream, kind), [])
+    if not sets or sets[-1].numel() < count:
+        sets.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return sets[-1]
+
+
+def prepare_counters(device: torch.device) -> None:
+    """Make the current stream's counters now (every kind, at the smallest set's 4096, enough
+    for any decode-sized call): made by a first call inside a CUDA-graph capture, their zeroing
+    would be part of every replay (and of a launch count)."""
+    for kind in COUNTER_KINDS:
+        sync_counters(device, 1, kind)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ._checks import ACT_DTYPES, _expect, check_tensor
 from ._common import TL_DTYPES  # noqa: F401  (re-exported)
+from ._common import _COUNTERS, sync_counters  # noqa: F401  (re-exported)
 from ._gemm import round_to
 from ._moe_sort import (  # noqa: F401  (re-exported)
     Routing, max_row_blocks, max_sorted_rows, plan_routing, routing_ptrs, tail_ptrs,
@@ -257,22 +258,6 @@ def wait_for_pair(flags_ptr, pair, count, programs, num_pairs, SLEEP: tl.constex
         tl.atomic_xchg(passed, 0, sem="relaxed", scope="gpu")
 
 
-_COUNTERS: dict = {}
-
-
-def sync_counters(device: torch.device, count: int, kind: str) -> torch.Tensor:
-    """>= count zeroed int32 counters of one `kind` ("combine": `combine_if_last`'s tickets;
-    "pairs": the overlap's per-pair counters, FLAG_STRIDE apart), one set per device and stream
-    (two launches running at once must not share them; the programs put back to zero what they
-    use, so the set stays zero between launches). Never freed: a CUDA graph keeps the pointer
-    it captured."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    sets = _COUNTERS.setdefault((str(device), stream, kind), [])
-    if not sets or sets[-1].numel() < count:
-        sets.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
-    return sets[-1]
-
-
 def combine_tickets(device: torch.device, count: int) -> torch.Tensor:
     """>= count zeroed tickets for `combine_if_last` (this stream's)."""
     return sync_counters(device, count, "combine")
@@ -299,14 +284,6 @@ def overlap_launch(overlap, device: torch.device, group_m: int, gated: bool):
     pdl = _pdl.has_pdl(device)
     launch = {"launch_pdl": True} if pdl and not gated else {}
     return (*overlap, dict(GROUP_M=1, OVERLAP=True, PDL=pdl, **launch))
-
-
-def prepare_counters(device: torch.device) -> None:
-    """Make the current stream's counters now (both kinds, sized for any direct-pair call):
-    made by a first call inside a CUDA-graph capture, their zeroing would be part of every
-    replay (and of a launch count)."""
-    combine_tickets(device, 1)
-    pair_flags(device, DIRECT_MAX_PAIRS)
 
 
 def finish(y: torch.Tensor, topk_weights: torch.Tensor, t: int, per_slot: bool) -> torch.Tensor:

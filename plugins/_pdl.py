@@ -26,13 +26,21 @@ from .registry import triton_interpreted
 
 # Where the decode chain may launch a kernel early: the `link` of `launch_early`. On by
 # default: the split FP8 GEMMs (q/k/v behind the boundary norm, o_proj behind the attention's
-# combine) and the whole-row norms (behind o_proj, the MoE's down GEMM, a dense layer's GEMMs).
-# The H200 A/Bs (bench/engine_bench.py --chain-ab, docs/BENCHMARKS.md session 13): a sliding
-# MoE layer 1.5-2 us faster with the GEMMs early, the norms adding nothing there and 5 us on a
-# dense layer; 1.5-3 us slower with the attention's kernels early too, 2-3 us with qk_prep,
-# 5 us with every link.
+# combine), the whole-row norms (behind o_proj, the MoE's down GEMM, a dense layer's GEMMs),
+# the router's logits GEMV (its weights read before its wait) and qk_prep (its angles and the
+# gate's weight rows before its wait).
+# FOLDS: kernels of the chain that can be folded into the kernel before them, whose last
+# program to finish then does their work (counted with `_common.sync_counters`' tickets): the
+# attention's combine into its split kernel, the router's selection into its logits GEMV.
+# Not launches: they apply on every device, the interpreter included. Off by default.
+# The H200 A/Bs (bench/engine_bench.py --chain-ab, docs/BENCHMARKS.md sessions 13 and 14),
+# on a sliding MoE layer: the GEMMs early 1.5-2 us faster, the norms nothing there (5 us on a
+# dense layer), the router and qk_prep with their preloads 3-3.5 us together; the attention's
+# kernels early 0.5-3 us slower (with or without the split's first K/V tile read before its
+# wait); the combine fold within +-1 us, the select fold 0.5-1 us slower.
 LINKS = ("norm", "linear", "qk_prep", "attention", "router")
-DEFAULT_LINKS = ("linear", "norm")
+FOLDS = ("combine", "select")
+DEFAULT_LINKS = ("linear", "norm", "router", "qk_prep")
 _CHAIN = {"links": frozenset(DEFAULT_LINKS)}
 
 
@@ -56,14 +64,21 @@ def launch_early(device: torch.device, link: str) -> dict:
     return {"launch_pdl": True} if link in _CHAIN["links"] and has_pdl(device) else {}
 
 
+def folded(name: str) -> bool:
+    """Whether the chain's kernel `name` (one of FOLDS) is folded into the one before it."""
+    assert name in FOLDS, name
+    return name in _CHAIN["links"]
+
+
 def set_decode_chain(links=True) -> None:
-    """The chain's links from now on: True (the default ones), "all", False (none) or some of
-    LINKS (a captured CUDA graph keeps what it captured)."""
-    chosen = (DEFAULT_LINKS if links is True else LINKS if links == "all" else
+    """The chain's links and folds from now on: True (the default ones), "all", False (none)
+    or some of LINKS + FOLDS (a captured CUDA graph keeps what it captured)."""
+    chosen = (DEFAULT_LINKS if links is True else LINKS + FOLDS if links == "all" else
               () if links is False else tuple(links))
-    unknown = set(chosen) - set(LINKS)
+    unknown = set(chosen) - set(LINKS + FOLDS)
     if unknown:
-        raise ValueError(f"unknown decode-chain links {sorted(unknown)}; known: {LINKS}")
+        raise ValueError(f"unknown decode-chain links {sorted(unknown)}; known: "
+                         f"{LINKS + FOLDS}")
     _CHAIN["links"] = frozenset(chosen)
 
 

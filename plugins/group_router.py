@@ -14,7 +14,10 @@ topk_group, k ints; routed_scaling_factor float; renormalize bool
 -> (topk_ids [T, k] int32, topk_weights [T, k] fp32).
 Contract: functional, returns two new tensors. Equal scores break toward the lower expert id.
 Matches `reference.route` (which returns int64 ids). CUDA-graph safe: two launches (an FP32
-GEMV/GEMM for the logits, then one program per token for the selection).
+GEMV/GEMM for the logits, then one program per token for the selection). In the decode chain
+(_pdl.py) the few-token GEMV reads its weights before waiting for x (`PRELOAD`, the "router"
+link), and its last program to store its logits does the selection (the "select" fold: one
+launch, the same bits; a ticket per token block from `_common.sync_counters`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import triton.language as tl
 
 from beam_trtllm.reference import route
 
-from ._common import FLOAT_DTYPES, check, check_tensor, next_pow2, rows_times_weights
+from . import _pdl
+from ._common import (FLOAT_DTYPES, check, check_tensor, next_pow2, rows_times_tile,
+                      rows_times_weights, sync_counters, weight_tile)
 from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from .registry import dispatch, register
 
@@ -46,24 +51,50 @@ def ref_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, BLOCK_T: tl.constexpr,
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tickets_ptr, bias_ptr, ids_ptr, weights_ptr,
+                          scale, T, E, H, stride_x, BLOCK_T: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
-                          USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                          USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+                          PRELOAD: tl.constexpr, FOLD_SELECT: tl.constexpr, NG: tl.constexpr,
+                          EPG: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+                          RENORM: tl.constexpr, NG_P2: tl.constexpr, EPG_P2: tl.constexpr,
+                          K_P2: tl.constexpr):
     """Partial logits [SPLIT, T, E]: split s sums channels [s*per, (s+1)*per) (split-K spreads a
     batch-1 GEMV over more SMs; the selection kernel adds the splits in a fixed order). PDL:
-    the decode chain (_pdl.py)."""
+    the decode chain (_pdl.py). PRELOAD (launched early, one channel block a program): the
+    program's weight tile is read before the wait, while the kernels before it still run, so
+    after it only x is read; the sum is the same as rows_times_weights' single step."""
     let_next_launch(PDL)
-    wait_for_inputs(PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(2)
     per = tl.cdiv(tl.cdiv(H, SPLIT), BLOCK_H) * BLOCK_H
     h_hi = tl.minimum(split * per + per, H)
-    acc = rows_times_weights(x_ptr, stride_x, w_ptr, H, t, e, split * per, h_hi, T, E, BLOCK_T,
-                             BLOCK_E, BLOCK_H, USE_DOT, DOT_PREC)
+    if PRELOAD:
+        w = weight_tile(w_ptr, H, e, split * per, h_hi, E, BLOCK_H)
+        wait_for_inputs(PDL)
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        acc += rows_times_tile(x_ptr, stride_x, w, t, split * per, h_hi, T, BLOCK_H, USE_DOT,
+                               DOT_PREC)
+    else:
+        wait_for_inputs(PDL)
+        acc = rows_times_weights(x_ptr, stride_x, w_ptr, H, t, e, split * per, h_hi, T, E,
+                                 BLOCK_T, BLOCK_E, BLOCK_H, USE_DOT, DOT_PREC)
     out = out_ptr + split.to(tl.int64) * T * E
     tl.store(out + t[:, None].to(tl.int64) * E + e[None, :], acc,
              mask=(t[:, None] < T) & (e[None, :] < E))
+    if FOLD_SELECT:  # the token block's last program to store its logits selects for it
+        tl.debug_barrier()  # every thread's stores precede the ticket (gpu-scope acq_rel)
+        ticket = tickets_ptr + tl.program_id(1)
+        last = tl.num_programs(0) * SPLIT - 1
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == last:
+            for i in range(BLOCK_T):
+                token = tl.program_id(1) * BLOCK_T + i
+                if token < T:
+                    _select_experts(out_ptr, bias_ptr, ids_ptr, weights_ptr, scale, T * E,
+                                    token.to(tl.int64), E, NG, EPG, TOPK_GROUP, K, RENORM,
+                                    SPLIT, NG_P2, EPG_P2, K_P2)
+            tl.atomic_xchg(ticket, 0)  # for the next launch
 
 
 @triton.jit
@@ -100,14 +131,27 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, spl
                           SPLIT: tl.constexpr, NG_P2: tl.constexpr, EPG_P2: tl.constexpr,
                           K_P2: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)  # (the decode chain: launched while the logits kernel runs)
-    t = tl.program_id(0).to(tl.int64)
+    _select_experts(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, split_stride,
+                    tl.program_id(0).to(tl.int64), E, NG, EPG, TOPK_GROUP, K, RENORM, SPLIT,
+                    NG_P2, EPG_P2, K_P2)
+
+
+@triton.jit
+def _select_experts(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, split_stride, t, E,
+                    NG: tl.constexpr, EPG: tl.constexpr,
+                    TOPK_GROUP: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
+                    SPLIT: tl.constexpr, NG_P2: tl.constexpr, EPG_P2: tl.constexpr,
+                    K_P2: tl.constexpr):
+    """Token t's experts and weights from its partial logits (read from L2: `.cg`, since in
+    the folded form other programs stored them)."""
     g = tl.arange(0, NG_P2)
     j = tl.arange(0, EPG_P2)[None, :]
     valid = (g[:, None] < NG) & (j < EPG)
     expert = g[:, None] * EPG + j  # [NG_P2, EPG_P2], group-major like the reference's view
     logit = tl.zeros([NG_P2, EPG_P2], tl.float32)
     for s in tl.static_range(SPLIT):
-        logit += tl.load(logits_ptr + s * split_stride + t * E + expert, mask=valid, other=0.0)
+        logit += tl.load(logits_ptr + s * split_stride + t * E + expert, mask=valid, other=0.0,
+                         cache_modifier=".cg")
     s = 1.0 / (1.0 + tl.exp(-logit))
     sb = tl.where(valid, s + tl.load(bias_ptr + expert, mask=valid, other=0.0), float("-inf"))
     key = _order_key(sb, expert, 32)  # padded lanes: -inf, below every real expert
@@ -124,17 +168,15 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, spl
     key = tl.where(kept[:, None] & valid, key, 0)
     slots = tl.arange(0, K_P2)
     picks = tl.zeros([K_P2], dtype=tl.int32)
+    chosen_w = tl.zeros([K_P2], tl.float32)
     for i in tl.static_range(K):
         top = tl.max(tl.max(key, axis=1), axis=0)
         picks = tl.where(slots == i, _key_index(top, 32), picks)
+        # its unbiased score, taken from the tile (one lane holds it: the sum is exact), where
+        # a load of its logits would wait for the picks
+        w_i = tl.sum(tl.sum(tl.where(key == top, s, 0.0), axis=1), axis=0)
+        chosen_w = tl.where(slots == i, w_i, chosen_w)
         key = tl.where(key == top, 0, key)
-    # the chosen experts' unbiased scores, recomputed exactly as above from their logits
-    # (before any store, which the loads could not pass)
-    chosen = tl.zeros([K_P2], tl.float32)
-    for s in tl.static_range(SPLIT):
-        chosen += tl.load(logits_ptr + s * split_stride + t * E + picks, mask=slots < K,
-                          other=0.0)
-    chosen_w = tl.where(slots < K, 1.0 / (1.0 + tl.exp(-chosen)), 0.0)
     if RENORM:
         chosen_w = tl.math.div_rn(chosen_w, tl.sum(chosen_w, axis=0))
     tl.store(ids_ptr + t * K + slots, picks, mask=slots < K)
@@ -171,13 +213,20 @@ def _launch_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
     logits = x.new_empty(p["SPLIT"], t, e, dtype=torch.float32)
     grid = (triton.cdiv(e, p["BLOCK_E"]), triton.cdiv(t, p["BLOCK_T"]), p["SPLIT"])
     pdl, early = decode_chain(x.device), launch_early(x.device, "router")
-    _router_logits_kernel[grid](x, weight, logits, t, e, h, x.stride(0), PDL=pdl, **p, **early)
+    preload = bool(early) and triton.cdiv(h, p["SPLIT"]) <= p["BLOCK_H"]
+    # the few-token GEMV's last program selects (a decode step's few tokens, one at a time)
+    fold = not p["USE_DOT"] and _pdl.folded("select")
+    tickets = sync_counters(x.device, grid[1], "router") if fold else ids  # (else unread)
     epg = e // n_group
-    _router_select_kernel[(t,)](
-        logits, bias, ids, weights, routed_scaling_factor, t * e, E=e, NG=n_group, EPG=epg,
-        TOPK_GROUP=topk_group, K=k, RENORM=renormalize, SPLIT=p["SPLIT"], NG_P2=next_pow2(n_group),
-        EPG_P2=next_pow2(epg), K_P2=next_pow2(k), PDL=pdl, num_warps=1 if e <= 256 else 4,
-        **early)
+    select = dict(NG=n_group, EPG=epg, TOPK_GROUP=topk_group, K=k, RENORM=renormalize,
+                  NG_P2=next_pow2(n_group), EPG_P2=next_pow2(epg), K_P2=next_pow2(k))
+    _router_logits_kernel[grid](x, weight, logits, tickets, bias, ids, weights,
+                                routed_scaling_factor, t, e, h, x.stride(0), PDL=pdl,
+                                PRELOAD=preload, FOLD_SELECT=fold, **select, **p, **early)
+    if not fold:
+        _router_select_kernel[(t,)](logits, bias, ids, weights, routed_scaling_factor, t * e,
+                                    E=e, SPLIT=p["SPLIT"], PDL=pdl,
+                                    num_warps=1 if e <= 256 else 4, **select, **early)
     return ids, weights
 
 

@@ -44,7 +44,8 @@ from beam_trtllm.reference import apply_rope, rms_norm, ssmax_scale
 from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix, for the gate tiles)
 from ._attention_tiles import dot_precision
 from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2,
-                      rows_times_weights, sum_partials, summed_partials)
+                      rows_times_tile, rows_times_weights, sum_partials, summed_partials,
+                      weight_tile)
 from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from ._rope import rope_inv_freq, rotation, rotation_constants
 from .cache_write import check_slots, ref_cache_write, store_cache_rows
@@ -161,14 +162,22 @@ def _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr
 @triton.jit
 def _gate_from_x(x_ptr, wg_ptr, g_ptr, tile, T, H, stride_x, HQ: tl.constexpr,
                  GATE_T: tl.constexpr, GATE_G: tl.constexpr, GATE_K: tl.constexpr,
-                 GATE_DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+                 GATE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     """gate = sigmoid(g) for GATE_T tokens x GATE_G heads, g = x · g_weight^T summed in FP32
-    and rounded to x's dtype (the reference's BF16 g_proj output), sigmoid in FP32."""
+    and rounded to x's dtype (the reference's BF16 g_proj output), sigmoid in FP32. Where H
+    is one GATE_K step (batch-1 decode), the weight rows are read before the wait."""
     n_heads = (HQ + GATE_G - 1) // GATE_G
     t = (tile // n_heads) * GATE_T + tl.arange(0, GATE_T)
     e = (tile % n_heads) * GATE_G + tl.arange(0, GATE_G)
-    g = rows_times_weights(x_ptr, stride_x, wg_ptr, H, t, e, 0, H, T, HQ, GATE_T, GATE_G,
-                           GATE_K, GATE_DOT, DOT_PREC)
+    if H <= GATE_K:
+        w = weight_tile(wg_ptr, H, e, 0, H, HQ, GATE_K)
+        wait_for_inputs(PDL)
+        g = tl.zeros([GATE_T, GATE_G], dtype=tl.float32)
+        g += rows_times_tile(x_ptr, stride_x, w, t, 0, H, T, GATE_K, GATE_DOT, DOT_PREC)
+    else:
+        wait_for_inputs(PDL)
+        g = rows_times_weights(x_ptr, stride_x, wg_ptr, H, t, e, 0, H, T, HQ, GATE_T, GATE_G,
+                               GATE_K, GATE_DOT, DOT_PREC)
     g = cast_rne(g, x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(g_ptr + t[:, None].to(tl.int64) * HQ + e[None, :], 1.0 / (1.0 + tl.exp(-g)),
              mask=(t[:, None] < T) & (e[None, :] < HQ))
@@ -190,9 +199,9 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
     # those compute the gate from x tile by tile (tokens x heads).
     PARTS: tl.constexpr = (HQ + QH - 1) // QH + 1
     # PDL (the decode chain, _pdl.py): launched during the q/k/v GEMM, it lets the attention
-    # launch and waits for the GEMM's output.
+    # launch and waits for the GEMM's output; the angles (from the step's positions, host
+    # copies) and the gate's weight rows before that.
     let_next_launch(PDL)
-    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     if pid < T * PARTS:
         t = (pid // PARTS).to(tl.int64)
@@ -205,12 +214,14 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
             cos, sin = rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
                                  inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
                                  exp_hi, exp_lo)
+            wait_for_inputs(PDL)
             _prep_q(row, q_ptr, qw_ptr, t, part, d, cos, sin, eps, stride_s, HQ, D, QH,
                     PARTIALS)
         else:
             cos, sin = rotation(pos_ptr, inv_freq_ptr, t, d, IS_FULL, D, two_pi_hi, two_pi_lo,
                                  inv_two_pi_hi, inv_two_pi_lo, inv_base_hi, inv_base_lo,
                                  exp_hi, exp_lo)
+            wait_for_inputs(PDL)
             _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, t, d,
                      cos, sin, block_size, stride_blk, stride_row, stride_head, eps, stride_s,
                      IS_FULL, HQ, HKV, D, BLOCK_HKV, BLOCK_D2, PARTIALS)
@@ -221,7 +232,7 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
                 tl.store(g_ptr + t * HQ + hg, 1.0 / (1.0 + tl.exp(-g)), mask=hg < HQ)
     elif GATE_X:
         _gate_from_x(x_ptr, wg_ptr, g_ptr, pid - T * PARTS, T, H, stride_x, HQ, GATE_T, GATE_G,
-                     GATE_K, GATE_DOT, DOT_PREC)
+                     GATE_K, GATE_DOT, DOT_PREC, PDL)
 
 
 # The gate GEMM x [T, H] · g_weight^T [H, Hq] (Hq = 48 for Beam). Up to `fma_tokens` tokens:

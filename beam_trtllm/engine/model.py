@@ -103,8 +103,7 @@ class BeamModel:
                  kv: KVCache):
         self.cfg, self.kv = cfg, kv
         self.ops = _ops()
-        from plugins._common import sm_count
-        from plugins._moe_common import prepare_counters
+        from plugins._common import prepare_counters, sm_count
         from plugins._rope import rope_inv_freq
 
         device = weights["model.embed_tokens.weight"].device
@@ -112,7 +111,7 @@ class BeamModel:
         # qk_prep's RoPE table, made now: made by a first call inside a CUDA-graph capture, its
         # two small kernels would be part of every replay
         rope_inv_freq(cfg.rope_theta, cfg.head_dim, device)
-        prepare_counters(device)  # the MoE ops' counters of this stream, likewise (graphs.py
+        prepare_counters(device)  # the ops' handoff counters of this stream, likewise (graphs.py
         # captures on its warm-up stream, whose counters the warm-up makes)
         take = _Taker(weights)
         self.embed = take("model.embed_tokens.weight")

@@ -106,9 +106,9 @@ def decoded_experts(fmt: str, gate, up, down, dtype):
 
 
 def sync_counters_all_zero() -> bool:
-    """Whether every counter set the moe ops made (combine tickets, pair counters) is back at
-    zero: their programs must put back what they use."""
-    from plugins import _moe_common
+    """Whether every counter set the ops made (the MoE's combine tickets and pair counters, the
+    attention's and the router's tickets) is back at zero: their programs must put back what
+    they use."""
+    from plugins import _common
 
-    return all(int(c.count_nonzero()) == 0 for sets in _moe_common._COUNTERS.values()
-               for c in sets)
+    return all(int(c.count_nonzero()) == 0 for sets in _common._COUNTERS.values() for c in sets)

@@ -162,3 +162,45 @@ def test_decode_one_split_writes_what_the_combine_writes(kind, kv_dtype, fp8_out
         torch.testing.assert_close(got.float() * scale, want.float() * scale, atol=atol,
                                    rtol=rtol + (0.125 if fp8_out else 0.0),
                                    msg=f"{splits} splits")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_decode_first_tile_read_before_the_wait_gives_the_same_bits(kind, kv_dtype):
+    """The decode chain's form of the split kernel (PRELOAD, when launched early: each split's
+    first K/V tile read before the wait for q) is the loop's first step peeled off: the same
+    bits, with splits of one tile, of several, and empty ones (more splits than tiles)."""
+    from plugins._attention_decode import launch_decode
+
+    case = attention_case(DECODE[kind], 6, 2, 32, 8 if kind == "sliding" else 0, 16,
+                          torch.bfloat16, kv_dtype, seed=7, device=KERNEL_DEVICE)
+    case.pop("cu_seqlens_q")
+    for splits in (1, 2, 7):
+        got = [launch_decode(**case, config={"splits": splits, "preload": preload}).cpu()
+               for preload in (False, True)]
+        assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16)), splits
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+@pytest.mark.parametrize("kv_dtype,fp8_out", [(torch.bfloat16, False), (FP8_DTYPE, True)])
+def test_decode_combine_folded_into_the_split_kernel_gives_the_same_bits(kind, kv_dtype,
+                                                                         fp8_out):
+    """The decode chain's "combine" fold (each (sequence, KV head)'s last split program merges
+    the partials) writes the combine kernel's bits, for any number of splits, and leaves its
+    tickets at zero."""
+    from _moe_testdata import sync_counters_all_zero
+    from plugins._attention_decode import launch_decode
+
+    case = attention_case(DECODE[kind], 6, 2, 32, 8 if kind == "sliding" else 0, 16,
+                          torch.bfloat16, kv_dtype, seed=8, device=KERNEL_DEVICE)
+    case.pop("cu_seqlens_q")
+    if fp8_out:
+        case["out_scale"] = torch.tensor(0.01, device=KERNEL_DEVICE)
+    view = torch.uint8 if fp8_out else torch.int16
+    for splits in (2, 3, 7):
+        got = [launch_decode(**case, config={"splits": splits, "fold_combine": fold}).cpu()
+               for fold in (False, True)]
+        assert torch.equal(got[0].view(view), got[1].view(view)), splits
+        assert sync_counters_all_zero()

@@ -10,7 +10,8 @@ except linear_fp8's cuBLAS-or-Triton choice, which the test asks for CUDA explic
 target (issue 5): <= 13 kernels per MoE layer; the H200 profiler counted 18 (FP8) and 17
 (NVFP4) before the gate, the q/k/v quantizer and the o_proj quantizer were fused, 13 and 12
 after (2026-11-29), before the experts' quantizer moved into the boundary's add_rmsnorm_fp8
-(12), and 11 once that boundary also combined the experts' per-slot outputs."""
+(12), and 11 once that boundary also combined the experts' per-slot outputs (9 with the
+decode chain's folds, 2026-11-30)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ CFG = BeamConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_int
 # At these shapes each KV head's keys fit one split, whose program writes the output (FP8
 # codes) itself; at Beam's on the H200 the keys are split over the SMs and a combine kernel
 # merges them (SPLIT_COMBINE: one launch more, counted by bench/engine_bench.py's profiler).
+# (The decode chain's folds, off by default, take the combine and the router's selection
+# into the kernels before them: plugins/_pdl.py FOLDS.)
 ATTENTION = ["_linear_fp8_kernel",  # q/k/v, on FP8 codes from the previous boundary
              "_qk_prep_kernel",  # + the BF16 gate GEMM
              "_decode_split_kernel",

@@ -104,3 +104,62 @@ def test_group_router_kernel_breaks_ties_toward_the_lower_id(copies):
     scores = torch.sigmoid(x @ weight.t()).gather(1, want.long())
     want_w = scores / scores.sum(-1, keepdim=True) * 2.5
     torch.testing.assert_close(w.cpu(), want_w, **tol("router-weights", torch.float32))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("t,e,h", [(1, 256, 5120), (3, 64, 1000)])
+def test_router_logits_with_preloaded_weights_are_bit_equal(t, e, h):
+    """The decode chain's form of the logits GEMV (PRELOAD: each program's weight tile read
+    before the wait) sums exactly what the plain form sums: the same bits, at the shipped
+    batch-1 shape and at one whose channels leave splits empty."""
+    import triton
+
+    from plugins.group_router import _router_logits_kernel, logits_launch_params
+
+    x, weight, _ = _router_case(t, e, h, seed=e + h)
+    dev = KERNEL_DEVICE
+    x, weight = x.to(torch.bfloat16).to(dev), weight.to(dev)
+    p = logits_launch_params(t)
+    assert triton.cdiv(h, p["SPLIT"]) <= p["BLOCK_H"]  # one channel block a program
+    grid = (triton.cdiv(e, p["BLOCK_E"]), triton.cdiv(t, p["BLOCK_T"]), p["SPLIT"])
+    got = {}
+    unread = torch.zeros(1, device=dev)
+    select = dict(NG=8, EPG=e // 8, TOPK_GROUP=4, K=8, RENORM=True, NG_P2=8, EPG_P2=e // 8,
+                  K_P2=8)
+    for preload in (False, True):
+        logits = torch.full((p["SPLIT"], t, e), float("nan"), device=dev)
+        _router_logits_kernel[grid](x, weight, logits, unread, unread, unread, unread, 2.5, t, e,
+                                    h, x.stride(0), PDL=False, PRELOAD=preload,
+                                    FOLD_SELECT=False, **select, **p)
+        got[preload] = logits.cpu()
+    assert torch.equal(got[True].view(torch.int32), got[False].view(torch.int32))
+    torch.testing.assert_close(got[True].sum(0), x.float().cpu() @ weight.cpu().t(),
+                               **tol("router-weights", torch.float32))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("t", [1, 3])
+def test_router_selection_folded_into_the_logits_gemv_gives_the_same_bits(t):
+    """The decode chain's "select" fold (the logits GEMV's last program selects; few tokens)
+    gives the two-kernel router's ids and weights bit for bit, and its tickets are back at
+    zero after every call."""
+    from plugins import _pdl
+    from _moe_testdata import sync_counters_all_zero
+
+    x, weight, bias = _router_case(t, 256, 640, seed=11 + t)
+    dev = KERNEL_DEVICE
+    x, weight, bias = x.to(torch.bfloat16).to(dev), weight.to(dev), bias.to(dev)
+    got = {}
+    try:
+        for fold in (("select",), ()):
+            _pdl.set_decode_chain(fold)
+            got[fold] = [a.cpu() for a in torch.ops.beam.group_router(x, weight, bias, 8, 4, 8,
+                                                                       2.5, True)]
+            assert sync_counters_all_zero()
+    finally:
+        _pdl.set_decode_chain(True)
+    (ids, w), (want_ids, want_w) = got[("select",)], got[()]
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(w.view(torch.int32), want_w.view(torch.int32))
+    assert torch.equal(ids, ref_group_router(x.cpu(), weight.cpu(), bias.cpu(), 8, 4, 8, 2.5,
+                                             True)[0])

@@ -7,6 +7,8 @@ sm90.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -191,7 +193,7 @@ def _decode_chain():
     _qk_prep(FP8, False, 1, gate_from_x=True)
     case = attention_case([Seq(300, 1)], HQ, HKV, D, 0, 64, BF16, FP8)
     case.pop("cu_seqlens_q")
-    launch_decode(**case, out_scale=one, config={"splits": 4})  # split + combine, as at batch 1
+    launch_decode(**case, out_scale=one, config={"splits": 4})  # split (+ combine), as at batch 1
     linear_fp8_triton(torch.zeros(1, HQ * D, dtype=FP8), torch.zeros(H, HQ * D, dtype=FP8),
                       torch.ones(H), one, BF16, split_k=2)
     _launch_group_router(torch.randn(1, H, dtype=BF16), torch.randn(256, H), torch.zeros(256), 8,
@@ -206,40 +208,56 @@ CHAIN_KERNELS = ["_add_rmsnorm_kernel", "_linear_fp8_kernel", "_qk_prep_kernel",
 LETS_NEXT_LAUNCH = {"_add_rmsnorm_kernel", "_linear_fp8_kernel", "_qk_prep_kernel",
                     "_decode_split_kernel", "_decode_combine_kernel", "_router_logits_kernel"}
 
-
-@pytest.fixture
-def every_link():
-    _pdl.set_decode_chain("all")
-    yield
-    _pdl.set_decode_chain(True)
+# Kernels of the chain that read their weights (or weight scales) before the wait.
+PRELOADS_BEFORE_WAIT = {"_router_logits_kernel", "_add_rmsnorm_kernel", "_linear_fp8_kernel",
+                       "_qk_prep_kernel", "_decode_split_kernel"}
 
 
-def test_decode_chain_kernels_launch_early_and_wait_before_they_write(monkeypatch, every_link):
+# With the folds (_pdl.FOLDS) the combine and the selection are no launches of their own.
+FOLDED_CHAIN_KERNELS = [n for n in CHAIN_KERNELS
+                        if n not in ("_decode_combine_kernel", "_router_select_kernel")]
+# (mnemonics, not substrings: "ld.shared" holds "red.")
+WRITES = r"(?<![\w.])(st\.global|atom\.|red\.|cp\.async)"
+
+
+@pytest.mark.parametrize("chain", ["links", "links and folds"])
+def test_decode_chain_kernels_launch_early_and_wait_before_they_write(monkeypatch, chain):
     """On sm_90, with every link of the chain on, each of its kernels is launched with PDL and,
     before its griddepcontrol.wait, neither stores nor starts an asynchronous copy (its
-    predecessor may still read that memory or write its inputs)."""
+    predecessor may still read that memory or write its inputs); with the folds too, the
+    combine and the selection are done by the kernels before them, after their wait."""
     monkeypatch.setattr(_pdl, "has_pdl", lambda device: True)
-    with compile_instead_of_launch() as compiled:
-        _decode_chain()
+    try:
+        _pdl.set_decode_chain(_pdl.LINKS if chain == "links" else "all")
+        with compile_instead_of_launch() as compiled:
+            _decode_chain()
+    finally:
+        _pdl.set_decode_chain(True)
     names = [name for name, _ in compiled]
-    assert names == CHAIN_KERNELS, names
+    assert names == (CHAIN_KERNELS if chain == "links" else FOLDED_CHAIN_KERNELS), names
     for name, kernel in compiled:
         ptx = kernel.asm["ptx"]
         assert kernel.metadata.launch_pdl, f"{name} is not launched early"
         assert ("griddepcontrol.launch_dependents" in ptx) == (name in LETS_NEXT_LAUNCH), name
-        before_wait = ptx[:ptx.index("griddepcontrol.wait")]
-        for op in ("st.global", "atom.", "red.", "cp.async"):
-            assert op not in before_wait, f"{name}: {op} before griddepcontrol.wait"
+        before_wait, after_wait = ptx.split("griddepcontrol.wait", 1)
+        for op in re.findall(WRITES, before_wait):
+            raise AssertionError(f"{name}: {op} before griddepcontrol.wait")
+        if name in PRELOADS_BEFORE_WAIT:  # its weights stream in while its predecessor runs
+            assert "ld.global" in before_wait, f"{name} reads no weights before its wait"
+        if chain != "links" and name in ("_decode_split_kernel", "_router_logits_kernel"):
+            assert "atom.global.gpu.acq_rel.add" in after_wait, f"{name} draws no ticket"
 
 
-def test_default_decode_chain_launches_the_split_gemms_and_norms_early(monkeypatch):
-    """The default links (_pdl.DEFAULT_LINKS): the split GEMMs and the norms are launched
-    early; the other kernels are built for the chain (they let the next kernel launch, and
-    wait) but launched in order."""
+def test_default_decode_chain(monkeypatch):
+    """The default links (_pdl.DEFAULT_LINKS): the split GEMMs, the norms, qk_prep and the
+    router's two kernels are launched early; the attention's kernels are built for the chain
+    (they let the next kernel launch, and wait) but launched in order; nothing is folded."""
     monkeypatch.setattr(_pdl, "has_pdl", lambda device: True)
     with compile_instead_of_launch() as compiled:
         _decode_chain()
-    early = {"_linear_fp8_kernel", "_add_rmsnorm_kernel"}
+    assert [name for name, _ in compiled] == CHAIN_KERNELS
+    early = {"_linear_fp8_kernel", "_add_rmsnorm_kernel", "_qk_prep_kernel",
+             "_router_logits_kernel", "_router_select_kernel"}
     for name, kernel in compiled:
         assert kernel.metadata.launch_pdl == (name in early), name
 
