@@ -167,8 +167,9 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     if args.chain_ab and device.type == "cuda":
         res["chain_ab"] = section(res, "decode chain A/B", lambda: chain_ab(
             engine, chunk, device, args.chain_ab, args.chain_rounds))
-    res["timeline_layer1"] = section(res, "layer-1 graph timeline",
-                                     lambda: graph_timeline(engine, chunk, device))
+    for i in args.timeline_layers:
+        res[f"timeline_layer{i}"] = section(res, f"layer-{i} graph timeline",
+                                            lambda i=i: graph_timeline(engine, chunk, device, i))
     launches = section(res, "launch count", lambda: count_launches(engine, chunk, device))
     for i in range(cfg.num_hidden_layers):
         base = fmt.removesuffix("+gate")
@@ -223,8 +224,10 @@ def print_table(results: list[dict], ceilings: dict) -> None:
                   f"{(l.get('kernel_us') or float('nan')) / 1e3:.4f} | "
                   f"{l['prefill_ms']:.2f} | {l['prefill_floor_ms']:.2f} | "
                   f"{l['prefill_ms'] / l['prefill_floor_ms']:.2f} |")
-        for k in r.get("timeline_layer1") or []:
-            print(f"    layer 1 in the chained graph: {k}")
+        for i in sorted(int(k.removeprefix("timeline_layer")) for k in r
+                        if k.startswith("timeline_layer")):
+            for k in r[f"timeline_layer{i}"] or []:
+                print(f"    layer {i} in the chained graph: {k}")
         for d in r.get("decode", []):
             print(f"decode batch {d['batch']}: {d['step_ms']:.3f} ms/step, {d['tokens_per_s']:.0f} tok/s "
                   f"({d['graph_steps']}/{d['steps']} steps in CUDA graphs)")
@@ -243,6 +246,8 @@ def main() -> None:
                          "FOLDS; a variant may end in '|KEY=VALUE/...': decode attention "
                          "DECODE_CONFIG overrides, e.g. 'default|min_split_short=512')")
     ap.add_argument("--chain-rounds", type=int, default=2)
+    ap.add_argument("--timeline-layers", default="1", type=lambda v: [int(i) for i in v.split(",")],
+                    help="layers whose kernels are profiled inside the chained graph")
     ap.add_argument("--skip-throughput", action="store_true",
                     help="no whole-model decode throughput (batch 1 and 64)")
     args = ap.parse_args()
