@@ -166,11 +166,14 @@ def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
     try:
         for r in range(rounds):
             for v in variants.split(";"):
-                chain, _, attn = v.partition("|")
+                chain, _, overrides = v.partition("|")
                 _pdl.set_decode_chain(links(chain))
+                pairs = dict(kv.split("=") for kv in overrides.split("/") if kv)
+                moe = {k: pairs.pop(k) for k in ("moe13", "moe2") if k in pairs}
                 _attention_decode.DECODE_CONFIG.clear()
-                _attention_decode.DECODE_CONFIG.update(saved, **{
-                    key: int(val) for key, val in (kv.split("=") for kv in attn.split("/") if kv)})
+                _attention_decode.DECODE_CONFIG.update(
+                    saved, **{key: int(val) for key, val in pairs.items()})
+                _tune_batch1_moe(engine.cfg, moe)
                 _, chained = decode_layers(engine, chunk, device, 200)
                 out.append({"round": r, "chain": v, "chained_ms": chained})
                 log(f"decode chain {v}: chained ms " + " / ".join(f"{c:.4f}" for c in chained))
@@ -178,4 +181,20 @@ def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
         _pdl.set_decode_chain(True)
         _attention_decode.DECODE_CONFIG.clear()
         _attention_decode.DECODE_CONFIG.update(saved)
+        _tune_batch1_moe(engine.cfg, {})
     return out
+
+
+def _tune_batch1_moe(cfg, shapes: dict) -> None:
+    """Install batch-1 moe_fp8 launch shapes ("moe13" / "moe2": "BM,BN,BK,WARPS,STAGES",
+    weights on the MMA's M side) as a tuned-kernel entry, or remove it (no shapes)."""
+    from plugins import tuning
+    from plugins._moe_common import GemmConfig
+
+    key = ("moe_fp8", tuning.bucket(cfg.num_experts_per_tok), cfg.n_routed_experts,
+           cfg.moe_intermediate_size, cfg.hidden_size)
+    tuning._TABLE.pop(key, None)
+    if shapes:
+        made = {name: GemmConfig(*map(int, shapes[name].split(",")), swap=True)
+                if name in shapes else None for name in ("moe13", "moe2")}
+        tuning._TABLE[key] = {"w13": made["moe13"], "w2": made["moe2"]}

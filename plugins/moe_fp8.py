@@ -53,6 +53,13 @@ OP = "moe_fp8"
 # the pairs, 14.46-14.51 -> 14.24 ms; 32-row tails 14.26-14.32 ms.
 PREFILL_TAIL_M = 64
 FP8 = (torch.float8_e4m3fn,)
+# One token's gate/up (<= DECODE_PAIRS pairs): 32 weight rows of each of gate and up a program
+# (640 programs for Beam's 8 x 2560) over 256-deep steps, 3 stages. In the H200 engine bench's
+# chained layers 2.5-3 us faster than the shared 64-row, 128-deep, 4-stage shape (0.1231-0.1238
+# against 0.1260-0.1277 ms a sliding MoE layer; docs/BENCHMARKS.md session 14, runs H and I);
+# the down GEMM keeps the shared shape (32- or 64-row 256-deep variants were slower).
+DECODE_PAIRS = 8
+DECODE_GATE_UP = GemmConfig(16, 32, 256, 4, 3, swap=True)
 
 
 def check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
@@ -248,6 +255,8 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
         return empty_output(x, topk_ids, act, per_slot)
     direct = numel <= DIRECT_MAX_PAIRS if direct is None else direct
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2)
+    if config13 is None and numel <= DECODE_PAIRS:
+        config13 = DECODE_GATE_UP
     c13, c2 = configs_for(numel if not direct else 1, e, config13, config2, tails=True)
     if config13 is None and c13.block_m == 128:  # prefill: the H200 sweeps' best shapes
         tail_m = PREFILL_TAIL_M if config2 is None else config2.tail_m  # one token sort

@@ -176,10 +176,19 @@ def test_kernels_compile_for_hopper_without_spills(build, monkeypatch):
             # the down GEMM the boundary norm
             assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"], name
         if name in ("_linear_fp8_kernel", "_moe_fp8_kernel"):  # swap-AB: weights on wgmma's M
-            assert "warp_group_dot" in kernel.asm["ttgir"], f"{name} does not use wgmma"
+            # (but one token's gate/up, moe_fp8.DECODE_GATE_UP: 32-row weight tiles, mma.sync)
+            decode_gate_up = (build == "fp8-gemms-decode" and name == "_moe_fp8_kernel"
+                              and constexpr(kernel, "GATED"))
+            assert ("warp_group_dot" in kernel.asm["ttgir"]) != bool(decode_gate_up), \
+                f"{name}: wgmma use differs from its tile's (gate/up: {decode_gate_up})"
         if build == "moe-fp8-prefill" and name == "_moe_fp8_kernel":  # TMA loads, no cp.async
             assert in_loops(kernel, r"\bUTMALDG\b") and not in_loops(kernel, r"\bLDGSTS\b"), \
                 f"{name}: prefill operands not loaded by the TMA"
+
+
+def constexpr(kernel, name: str):
+    """The value a compiled kernel's constexpr argument `name` was specialised to."""
+    return kernel.src.constants[(kernel.src.fn.arg_names.index(name),)]
 
 
 def _decode_chain():
