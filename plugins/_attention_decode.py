@@ -61,46 +61,27 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gd_mask = (g[:, None] < G) & (d[None, :] < D)
-    start = tl.load(q_start_ptr + b)
-    lo = tl.load(hist_ptr + b)
-    if window > 0:  # the query at `start` sees keys > start - window
-        lo = tl.maximum(lo, start - window + 1)
-    n_cached = tl.maximum(start - lo, 0)
-    per_split = tl.cdiv(tl.cdiv(n_cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    s_lo = lo + split * per_split
-    s_hi = tl.minimum(s_lo + per_split, start)
+    s_lo, s_hi = _split_range(q_start_ptr, hist_ptr, b, split, window, NUM_SPLITS, BLOCK_N)
     k_scale = qk_scale
     if IS_FP8:
         k_scale = qk_scale * tl.load(ks_ptr)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    index_row = index_ptr + b.to(tl.int64) * M
-    head_off = h * stride_head
+    tile = (index_ptr + b.to(tl.int64) * M, M, block_size, stride_blk, stride_row,
+            h * stride_head, d, s_hi)
     first = s_lo
     if PRELOAD:
-        j = s_lo + tl.arange(0, BLOCK_N)
-        valid = j < s_hi
-        offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row)
-        k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype)
-        v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype)
+        k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, s_lo, D, BLOCK_N, dtype)
     wait_for_inputs(PDL)
     q = tl.load(q_ptr + (b * HQ + h * G + g[:, None]).to(tl.int64) * D + d[None, :],
                 mask=gd_mask, other=0.0)
     if PRELOAD:  # the loop's first step (an empty split's tile is all -inf: no change)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+        m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
         first = s_lo + BLOCK_N
     for j0 in range(first, s_hi, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        valid = j < s_hi
-        offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row)
-        k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype)
-        v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+        k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, j0, D, BLOCK_N, dtype)
+        m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
     if IS_FP8:
         acc = acc * tl.load(vs_ptr)
     if split == NUM_SPLITS - 1:  # the step's own key (position `start`) comes from k_new
@@ -108,13 +89,7 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
                      other=0.0)
         v1 = tl.load(vn_ptr + b.to(tl.int64) * stride_vn + h * stride_vnh + d, mask=d < D,
                      other=0.0)
-        s1 = tl.sum(q.to(tl.float32) * k1.to(tl.float32)[None, :], axis=1) * qk_scale
-        m_new = tl.maximum(m_i, s1)
-        alpha = tl.exp2(m_i - m_new)
-        p1 = tl.exp2(s1 - m_new)
-        l_i = l_i * alpha + p1
-        acc = acc * alpha[:, None] + p1[:, None] * v1.to(tl.float32)[None, :]
-        m_i = m_new
+        m_i, l_i, acc = _own_key_step(q, k1, v1, qk_scale, m_i, l_i, acc)
     if NUM_SPLITS == 1:
         _gated_output(acc, l_i, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_mask, HQ, G,
                       D, ACT, OUT_FP8)
@@ -131,6 +106,55 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
                               out_scale_ptr, b, h, HQ, HKV, G, D, BLOCK_G, BLOCK_D,
                               NUM_SPLITS, BLOCK_S, ACT, OUT_FP8)
                 tl.atomic_xchg(ticket, 0)  # for the next launch
+
+
+@triton.jit
+def _split_range(q_start_ptr, hist_ptr, b, split, window, NUM_SPLITS: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Cached positions [s_lo, s_hi) of this split: the visible ones below the step's own
+    position, cut into NUM_SPLITS ranges of whole tiles."""
+    start = tl.load(q_start_ptr + b)
+    lo = tl.load(hist_ptr + b)
+    if window > 0:  # the query at `start` sees keys > start - window
+        lo = tl.maximum(lo, start - window + 1)
+    n_cached = tl.maximum(start - lo, 0)
+    per_split = tl.cdiv(tl.cdiv(n_cached, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * per_split
+    return s_lo, tl.minimum(s_lo + per_split, start)
+
+
+@triton.jit
+def _cached_tile(kc_ptr, vc_ptr, tile, j0, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 dtype: tl.constexpr):
+    """K and V of cache positions [j0, j0 + BLOCK_N) (zero past the split's end) and which
+    are valid; `tile` = (index row, M, block size, block and row strides, head offset, d,
+    the split's end)."""
+    index_row, M, block_size, stride_blk, stride_row, head_off, d, s_hi = tile
+    j = j0 + tl.arange(0, BLOCK_N)
+    valid = j < s_hi
+    offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row)
+    k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype)
+    v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype)
+    return k, v, valid
+
+
+@triton.jit
+def _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    return softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+
+
+@triton.jit
+def _own_key_step(q, k1, v1, qk_scale, m_i, l_i, acc):
+    """Fold the step's own key and value (one row each, FP32 dot) into the running state."""
+    s1 = tl.sum(q.to(tl.float32) * k1.to(tl.float32)[None, :], axis=1) * qk_scale
+    m_new = tl.maximum(m_i, s1)
+    alpha = tl.exp2(m_i - m_new)
+    p1 = tl.exp2(s1 - m_new)
+    l_i = l_i * alpha + p1
+    acc = acc * alpha[:, None] + p1[:, None] * v1.to(tl.float32)[None, :]
+    return m_new, l_i, acc
 
 
 @triton.jit
