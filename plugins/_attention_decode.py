@@ -7,10 +7,10 @@ of its KV head (G rows of one tensor-core tile, so K/V are read once per group),
 kernel merges the partials, applies the gate and writes the output (or, given the o_proj's
 input scale, its FP8 codes). In the decode chain's "combine" fold (_pdl.py) there is no second
 kernel: the last split program of a (sequence, KV head) to store its partial merges them, the
-same bits (a ticket per pair from `_common.sync_counters`, put back to zero). With one split (batches of >= 2 * SMs / Hkv sequences, or short
-caches) the split program writes the output itself and the combine is not launched. NUM_SPLITS
-comes from shapes only (batch, heads, the cache's addressable length), so the launch is
-CUDA-graph safe.
+same bits (a ticket per pair from `_common.sync_counters`, put back to zero). With one split
+(batches of >= 2 * SMs / Hkv sequences, or short caches) the split program writes the output
+itself and the combine is not launched. NUM_SPLITS comes from shapes only (batch, heads, the
+cache's addressable length), so the launch is CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import triton.language as tl
 from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
                                softmax_step, store_output)
 from . import _pdl
-from ._common import FP8_DTYPE, TL_DTYPES, is_fp8, next_pow2, sm_count, sync_counters
+from ._common import (FP8_DTYPE, TL_DTYPES, is_fp8, last_to_arrive, next_pow2, sm_count,
+                      sync_counters)
 from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from .tuning import tuned_decode
 
@@ -40,8 +41,9 @@ DECODE_CONFIG = dict(BLOCK_N=128, BLOCK_N_SHORT=64, short_capacity=2048, num_war
 @triton.jit
 def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, hist_ptr, index_ptr,
                          ks_ptr, vs_ptr, part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr,
-                         out_scale_ptr, tickets_ptr, stride_kn, stride_knh, stride_vn, stride_vnh, M,
-                         block_size, stride_blk, stride_row, stride_head, window, qk_scale,
+                         out_scale_ptr, tickets_ptr, stride_kn, stride_knh, stride_vn,
+                         stride_vnh, M, block_size, stride_blk, stride_row, stride_head, window,
+                         qk_scale,
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
@@ -99,9 +101,8 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
         tl.store(part_m_ptr + part + g, m_i, mask=g < G)
         tl.store(part_l_ptr + part + g, l_i, mask=g < G)
         if FOLD_COMBINE:  # the (sequence, KV head)'s last split to finish merges them all
-            tl.debug_barrier()  # every thread's stores precede the ticket (gpu-scope acq_rel)
             ticket = tickets_ptr + b * HKV + h
-            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            if last_to_arrive(ticket, NUM_SPLITS):
                 _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr,
                               out_scale_ptr, b, h, HQ, HKV, G, D, BLOCK_G, BLOCK_D,
                               NUM_SPLITS, BLOCK_S, ACT, OUT_FP8)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._pdl import wait_for_inputs
 from .registry import PluginError, triton_interpreted
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -245,6 +246,27 @@ def rows_times_weights(x_ptr, stride_x, w_ptr, stride_w, t, e, k_lo, k_hi, T, E,
 
 
 @triton.jit
+def rows_times_weights_after_wait(x_ptr, stride_x, w_ptr, stride_w, t, e, k_lo, k_hi, T, E,
+                                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                                  DOT_PREC: tl.constexpr, PRELOAD: tl.constexpr,
+                                  PDL: tl.constexpr):
+    """rows_times_weights in a decode-chain kernel (_pdl.py), whose x is ready only after its
+    wait for the kernel before it. PRELOAD (the range is one BLOCK_K step): the weight tile is
+    read before the wait, x after it; the same sum."""
+    if PRELOAD:
+        w = weight_tile(w_ptr, stride_w, e, k_lo, k_hi, E, BLOCK_K)
+        wait_for_inputs(PDL)
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        acc += rows_times_tile(x_ptr, stride_x, w, t, k_lo, k_hi, T, BLOCK_K, USE_DOT, DOT_PREC)
+    else:
+        wait_for_inputs(PDL)
+        acc = rows_times_weights(x_ptr, stride_x, w_ptr, stride_w, t, e, k_lo, k_hi, T, E,
+                                 BLOCK_T, BLOCK_E, BLOCK_K, USE_DOT, DOT_PREC)
+    return acc
+
+
+@triton.jit
 def weight_tile(w_ptr, stride_w, e, k0, k_hi, E, BLOCK_K: tl.constexpr):
     """w[e, k0:k0 + BLOCK_K] (zero beyond k_hi and E): one step of rows_times_weights, which a
     decode-chain kernel reads before its wait when its range is one step."""
@@ -272,6 +294,15 @@ def rows_times_tile(x_ptr, stride_x, w, t, k0, k_hi, T, BLOCK_K: tl.constexpr,
 # router's per-token-block tickets ("router").
 COUNTER_KINDS = ("combine", "pairs", "attention", "router")
 _COUNTERS: dict = {}
+
+
+@triton.jit
+def last_to_arrive(ticket, count):
+    """Whether this program draws the last of `count` tickets at `ticket`: after a barrier,
+    so that every thread's stores precede the draw, a gpu-scope acq_rel add (the last drawer
+    then sees every other drawer's stores). The caller puts the ticket back to zero after."""
+    tl.debug_barrier()
+    return tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == count - 1
 
 
 def sync_counters(device: torch.device, count: int, kind: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._checks import ACT_DTYPES, _expect, check_tensor
 from ._common import TL_DTYPES  # noqa: F401  (re-exported)
-from ._common import _COUNTERS, sync_counters  # noqa: F401  (re-exported)
+from ._common import last_to_arrive, sync_counters
 from ._gemm import round_to
 from ._moe_sort import (  # noqa: F401  (re-exported)
     Routing, max_row_blocks, max_sorted_rows, plan_routing, routing_ptrs, tail_ptrs,
@@ -217,9 +217,8 @@ def combine_if_last(y_ptr, w_ptr, out_ptr, tickets_ptr, token, tile, num_tiles, 
                     H, TOP_K: tl.constexpr):
     """After this program stored y[token*TOP_K + j, cols] for its slot j: the combine of
     out[token, cols] if it is the last of the token's TOP_K slots to do so."""
-    tl.debug_barrier()  # all of this program's y stores precede its ticket (a gpu-scope release)
     ticket = tickets_ptr + token * num_tiles + tile
-    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
+    if last_to_arrive(ticket, TOP_K):  # (all of this program's y stores precede its ticket)
         combine_row(y_ptr, w_ptr, out_ptr, token, cols, mask, H, TOP_K)
         tl.atomic_xchg(ticket, 0)
 

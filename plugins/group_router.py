@@ -31,8 +31,8 @@ import triton.language as tl
 from beam_trtllm.reference import route
 
 from . import _pdl
-from ._common import (FLOAT_DTYPES, check, check_tensor, next_pow2, rows_times_tile,
-                      rows_times_weights, sync_counters, weight_tile)
+from ._common import (FLOAT_DTYPES, check, check_tensor, last_to_arrive, next_pow2,
+                      rows_times_weights_after_wait, sync_counters)
 from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from .registry import dispatch, register
 
@@ -70,24 +70,15 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tickets_ptr, bias_ptr, ids_ptr,
     split = tl.program_id(2)
     per = tl.cdiv(tl.cdiv(H, SPLIT), BLOCK_H) * BLOCK_H
     h_hi = tl.minimum(split * per + per, H)
-    if PRELOAD:
-        w = weight_tile(w_ptr, H, e, split * per, h_hi, E, BLOCK_H)
-        wait_for_inputs(PDL)
-        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        acc += rows_times_tile(x_ptr, stride_x, w, t, split * per, h_hi, T, BLOCK_H, USE_DOT,
-                               DOT_PREC)
-    else:
-        wait_for_inputs(PDL)
-        acc = rows_times_weights(x_ptr, stride_x, w_ptr, H, t, e, split * per, h_hi, T, E,
-                                 BLOCK_T, BLOCK_E, BLOCK_H, USE_DOT, DOT_PREC)
+    acc = rows_times_weights_after_wait(x_ptr, stride_x, w_ptr, H, t, e, split * per, h_hi, T,
+                                        E, BLOCK_T, BLOCK_E, BLOCK_H, USE_DOT, DOT_PREC,
+                                        PRELOAD, PDL)
     out = out_ptr + split.to(tl.int64) * T * E
     tl.store(out + t[:, None].to(tl.int64) * E + e[None, :], acc,
              mask=(t[:, None] < T) & (e[None, :] < E))
     if FOLD_SELECT:  # the token block's last program to store its logits selects for it
-        tl.debug_barrier()  # every thread's stores precede the ticket (gpu-scope acq_rel)
         ticket = tickets_ptr + tl.program_id(1)
-        last = tl.num_programs(0) * SPLIT - 1
-        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == last:
+        if last_to_arrive(ticket, tl.num_programs(0) * SPLIT):
             for i in range(BLOCK_T):
                 token = tl.program_id(1) * BLOCK_T + i
                 if token < T:

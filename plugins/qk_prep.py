@@ -44,8 +44,7 @@ from beam_trtllm.reference import apply_rope, rms_norm, ssmax_scale
 from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix, for the gate tiles)
 from ._attention_tiles import dot_precision
 from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2,
-                      rows_times_tile, rows_times_weights, sum_partials, summed_partials,
-                      weight_tile)
+                      rows_times_weights_after_wait, sum_partials, summed_partials)
 from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
 from ._rope import rope_inv_freq, rotation, rotation_constants
 from .cache_write import check_slots, ref_cache_write, store_cache_rows
@@ -162,22 +161,17 @@ def _prep_kv(row, k_ptr, v_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr
 @triton.jit
 def _gate_from_x(x_ptr, wg_ptr, g_ptr, tile, T, H, stride_x, HQ: tl.constexpr,
                  GATE_T: tl.constexpr, GATE_G: tl.constexpr, GATE_K: tl.constexpr,
-                 GATE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                 GATE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, GATE_PRELOAD: tl.constexpr,
+                 PDL: tl.constexpr):
     """gate = sigmoid(g) for GATE_T tokens x GATE_G heads, g = x · g_weight^T summed in FP32
     and rounded to x's dtype (the reference's BF16 g_proj output), sigmoid in FP32. Where H
-    is one GATE_K step (batch-1 decode), the weight rows are read before the wait."""
+    is one GATE_K step (batch-1 decode: GATE_PRELOAD), the weight rows are read before the
+    wait."""
     n_heads = (HQ + GATE_G - 1) // GATE_G
     t = (tile // n_heads) * GATE_T + tl.arange(0, GATE_T)
     e = (tile % n_heads) * GATE_G + tl.arange(0, GATE_G)
-    if H <= GATE_K:
-        w = weight_tile(wg_ptr, H, e, 0, H, HQ, GATE_K)
-        wait_for_inputs(PDL)
-        g = tl.zeros([GATE_T, GATE_G], dtype=tl.float32)
-        g += rows_times_tile(x_ptr, stride_x, w, t, 0, H, T, GATE_K, GATE_DOT, DOT_PREC)
-    else:
-        wait_for_inputs(PDL)
-        g = rows_times_weights(x_ptr, stride_x, wg_ptr, H, t, e, 0, H, T, HQ, GATE_T, GATE_G,
-                               GATE_K, GATE_DOT, DOT_PREC)
+    g = rows_times_weights_after_wait(x_ptr, stride_x, wg_ptr, H, t, e, 0, H, T, HQ, GATE_T,
+                                      GATE_G, GATE_K, GATE_DOT, DOT_PREC, GATE_PRELOAD, PDL)
     g = cast_rne(g, x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(g_ptr + t[:, None].to(tl.int64) * HQ + e[None, :], 1.0 / (1.0 + tl.exp(-g)),
              mask=(t[:, None] < T) & (e[None, :] < HQ))
@@ -193,7 +187,7 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
                     QH: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
                     BLOCK_D2: tl.constexpr, GATE_X: tl.constexpr, GATE_T: tl.constexpr,
                     GATE_G: tl.constexpr, GATE_K: tl.constexpr, GATE_DOT: tl.constexpr,
-                    DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+                    GATE_PRELOAD: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # Programs [0, T * PARTS): token pid // PARTS, part pid % PARTS (a block of QH query heads,
     # or the last part: k, v, the cache rows and a packed gate). GATE_X: the programs after
     # those compute the gate from x tile by tile (tokens x heads).
@@ -232,7 +226,7 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
                 tl.store(g_ptr + t * HQ + hg, 1.0 / (1.0 + tl.exp(-g)), mask=hg < HQ)
     elif GATE_X:
         _gate_from_x(x_ptr, wg_ptr, g_ptr, pid - T * PARTS, T, H, stride_x, HQ, GATE_T, GATE_G,
-                     GATE_K, GATE_DOT, DOT_PREC, PDL)
+                     GATE_K, GATE_DOT, DOT_PREC, GATE_PRELOAD, PDL)
 
 
 # The gate GEMM x [T, H] · g_weight^T [H, Hq] (Hq = 48 for Beam). Up to `fma_tokens` tokens:
@@ -250,10 +244,11 @@ def gate_launch_params(t: int, hq: int, h: int) -> dict:
     c = GATE_CONFIG
     if t <= c["fma_tokens"]:
         gate_k = max(256, min(next_pow2(h), c["fma_elems"] // next_pow2(t)))
-        return dict(GATE_T=next_pow2(t), GATE_G=1, GATE_K=gate_k, GATE_DOT=False)
+        return dict(GATE_T=next_pow2(t), GATE_G=1, GATE_K=gate_k, GATE_DOT=False,
+                    GATE_PRELOAD=h <= gate_k)
     gate_g = 16 if t <= c["narrow_tokens"] else max(16, min(64, next_pow2(hq)))
     return dict(GATE_T=min(c["tile_tokens"], max(16, next_pow2(t))), GATE_G=gate_g, GATE_K=64,
-                GATE_DOT=True)
+                GATE_DOT=True, GATE_PRELOAD=h <= 64)
 
 
 @register(OP, "triton")
@@ -278,7 +273,7 @@ def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_ca
         gp = gate_launch_params(t, hq, x.shape[1])
         grid += triton.cdiv(t, gp["GATE_T"]) * triton.cdiv(hq, gp["GATE_G"])
     else:  # no gate programs; x and g_weight are never read
-        gp = dict(GATE_T=1, GATE_G=1, GATE_K=1, GATE_DOT=False)
+        gp = dict(GATE_T=1, GATE_G=1, GATE_K=1, GATE_DOT=False, GATE_PRELOAD=False)
         x = g_weight = rows
     inv_freq = positions if is_full else rope_inv_freq(rope_theta, d, qkvg.device)  # (unread)
     pdl = decode_chain(qkvg.device)
