@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench_layers import (  # noqa: E402
-    REPEATS, chain_ab, count_launches, cuda_time, decode_layers, graph_timeline, log,
+    REPEATS, chain_ab, chain_links, count_launches, cuda_time, decode_layers, graph_timeline,
+    log,
 )
 from engine_bench_model import (  # noqa: E402
     bench_config, decode_bytes, make_engine, prefill_flops,
@@ -246,12 +247,18 @@ def main() -> None:
                          "FOLDS; a variant may end in '|KEY=VALUE/...': decode attention "
                          "DECODE_CONFIG overrides, e.g. 'default|min_split_short=512')")
     ap.add_argument("--chain-rounds", type=int, default=2)
+    ap.add_argument("--chain", default="default", metavar="VARIANT",
+                    help="the decode chain of the whole run (main table, graphs, throughput): "
+                         "a --chain-ab variant without overrides")
     ap.add_argument("--timeline-layers", default="1", type=lambda v: [int(i) for i in v.split(",")],
                     help="layers whose kernels are profiled inside the chained graph")
     ap.add_argument("--skip-throughput", action="store_true",
                     help="no whole-model decode throughput (batch 1 and 64)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
+    from plugins import _pdl
+
+    _pdl.set_decode_chain(chain_links(args.chain))
     torch.manual_seed(0)
     ceilings = measure_ceilings(device)
     log(f"ceilings: {ceilings}")

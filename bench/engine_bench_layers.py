@@ -52,9 +52,12 @@ REPEATS = 8  # layers one graph chains in the steady-state measurement
 
 def _chain(model, i: int, h, x, xq, s, repeats: int):
     """Layer i run `repeats` times, each on the previous run's output (as the whole-model graph
-    chains 52 layers; the weights streamed in between are far larger than the L2)."""
+    chains 52 layers; the weights streamed in between are far larger than the L2). Each run's
+    boundary prepares layer i's own input (its norm and FP8 codes), as a full layer's does in
+    the model; chained after the final norm instead, the bench's last layer (its full one)
+    would pay a quantize kernel no layer of the model runs."""
     for _ in range(repeats):
-        h, x, xq = model.layer(i, h, x, xq, s)
+        h, x, xq = model.layer(i, h, x, xq, s, into=i)
     return h, x, xq
 
 
@@ -108,20 +111,35 @@ def graph_timeline(engine, chunk, device, i: int = 1, replays: int = 5) -> list[
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                       and not e.name.startswith(("Memcpy", "Memset"))),
                      key=lambda e: e.time_range.start)
-    per_layer = len(kernels) // (replays * REPEATS)
-    if per_layer == 0 or len(kernels) != per_layer * replays * REPEATS:
-        return [{"error": f"{len(kernels)} kernel events for {replays} x {REPEATS} layers"}]
+    per_replay = len(kernels) // replays
+    names = [e.name for e in kernels[:per_replay]]
+    per_layer = _period(names, REPEATS)
+    if per_layer is None or len(kernels) != per_replay * replays:
+        return [{"error": f"{len(kernels)} kernel events for {replays} x {REPEATS} layers: "
+                          "no repeating per-layer sequence"}]
     rows = []
     for j in range(per_layer):
         durs, gaps = [], []
         for r in range(replays):
-            for rep in range(1, REPEATS - 1):
-                n = (r * REPEATS + rep) * per_layer + j
+            end = (r + 1) * per_replay - per_layer  # the last layer of the replay, excluded
+            for rep in range(1, REPEATS - 1):  # the middle layers, counted from the end
+                n = end - rep * per_layer + j
                 durs.append(kernels[n].time_range.elapsed_us())
                 gaps.append(kernels[n].time_range.start - kernels[n - 1].time_range.end)
-        rows.append({"name": kernels[j].name[:80], "us": statistics.median(durs),
-                     "gap_us": statistics.median(gaps)})
+        rows.append({"name": kernels[per_replay - per_layer + j].name[:80],
+                     "us": statistics.median(durs), "gap_us": statistics.median(gaps)})
     return rows
+
+
+def _period(names: list[str], repeats: int) -> int | None:
+    """The number of kernels a layer launches in one replay's `names`: the shortest period
+    their last `repeats - 1` layers repeat with (the first layer may differ: a kernel the
+    profiler folds into the graph launch)."""
+    for p in range(1, len(names) // (repeats - 1) + 1):
+        tail = names[len(names) - p * (repeats - 1):]
+        if all(tail[k] == tail[k + p] for k in range(len(tail) - p)):
+            return p
+    return None
 
 
 def count_launches(engine, chunk, device) -> list[dict]:
@@ -149,25 +167,34 @@ def count_launches(engine, chunk, device) -> list[dict]:
     return out
 
 
+def chain_links(variant: str):
+    """set_decode_chain's argument for a variant's links: "off", "default", "all", or links,
+    folds and late triggers joined by ",", where "default" stands for the default links."""
+    from plugins import _pdl
+
+    named = {"off": False, "default": True, "all": "all"}
+    if variant in named:
+        return named[variant]
+    return [n for item in variant.split(",")
+            for n in (_pdl.DEFAULT_LINKS if item == "default" else (item,))]
+
+
 def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
     """The per-layer chained decode times under each decode-chain variant (plugins/_pdl.py:
-    "off", "default", "all", or links and folds joined by ","; variants separated by ";"),
+    "off", "default", "all", or links, folds and late triggers joined by ",", "default" among
+    them standing for the default links; variants separated by ";"),
     alternating, `rounds` times each (same process, same weights: an A/B within one lease).
     A variant may end in "|KEY=VALUE/KEY=VALUE": integer overrides of the decode attention's
     DECODE_CONFIG (plugins/_attention_decode.py) for that variant."""
     from plugins import _attention_decode, _pdl
 
-    def links(v):
-        named = {"off": False, "default": True, "all": "all"}
-        return named[v] if v in named else v.split(",")
-
-    saved = dict(_attention_decode.DECODE_CONFIG)
+    saved, run_chain = dict(_attention_decode.DECODE_CONFIG), tuple(_pdl._CHAIN["links"])
     out = []
     try:
         for r in range(rounds):
             for v in variants.split(";"):
                 chain, _, overrides = v.partition("|")
-                _pdl.set_decode_chain(links(chain))
+                _pdl.set_decode_chain(chain_links(chain))
                 pairs = dict(kv.split("=") for kv in overrides.split("/") if kv)
                 moe = {k: pairs.pop(k) for k in ("moe13", "moe2") if k in pairs}
                 _attention_decode.DECODE_CONFIG.clear()
@@ -178,7 +205,7 @@ def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
                 out.append({"round": r, "chain": v, "chained_ms": chained})
                 log(f"decode chain {v}: chained ms " + " / ".join(f"{c:.4f}" for c in chained))
     finally:
-        _pdl.set_decode_chain(True)
+        _pdl.set_decode_chain(run_chain)
         _attention_decode.DECODE_CONFIG.clear()
         _attention_decode.DECODE_CONFIG.update(saved)
         _tune_batch1_moe(engine.cfg, {})

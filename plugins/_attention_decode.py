@@ -49,7 +49,7 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
                          NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
                          DOT_PREC: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr,
                          PDL: tl.constexpr, PRELOAD: tl.constexpr,
-                         FOLD_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr):
+                         FOLD_COMBINE: tl.constexpr):
     # NUM_SPLITS == 1: one program holds the whole context of its (sequence, KV head) and
     # writes the gated output itself (what the combine does with one split, bit for bit).
     # PDL (the decode chain, _pdl.py): it lets the combine (or the o_proj) launch at once and
@@ -73,13 +73,15 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
     tile = (index_ptr + b.to(tl.int64) * M, M, block_size, stride_blk, stride_row,
             h * stride_head, d, s_hi)
     first = s_lo
-    if PRELOAD:
-        k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, s_lo, D, BLOCK_N, dtype)
+    if PRELOAD:  # (held as the cache's codes across the wait: FP8 ones take half the registers)
+        k0, v0, valid0 = _cached_tile(kc_ptr, vc_ptr, tile, s_lo, D, BLOCK_N,
+                                      kc_ptr.dtype.element_ty)
     wait_for_inputs(PDL)
     q = tl.load(q_ptr + (b * HQ + h * G + g[:, None]).to(tl.int64) * D + d[None, :],
                 mask=gd_mask, other=0.0)
     if PRELOAD:  # the loop's first step (an empty split's tile is all -inf: no change)
-        m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
+        m_i, l_i, acc = _tile_step(q, k0.to(dtype), v0.to(dtype), valid0, k_scale, m_i, l_i,
+                                   acc, DOT_PREC)
         first = s_lo + BLOCK_N
     for j0 in range(first, s_hi, BLOCK_N):
         k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, j0, D, BLOCK_N, dtype)
@@ -105,7 +107,7 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
             if last_to_arrive(ticket, NUM_SPLITS):
                 _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr,
                               out_scale_ptr, b, h, HQ, HKV, G, D, BLOCK_G, BLOCK_D,
-                              NUM_SPLITS, BLOCK_S, ACT, OUT_FP8)
+                              NUM_SPLITS, ACT, OUT_FP8)
                 tl.atomic_xchg(ticket, 0)  # for the next launch
 
 
@@ -174,28 +176,32 @@ def _gated_output(acc, total, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_m
 def _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr, b, h,
                   HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  BLOCK_S: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr):
+                  ACT: tl.constexpr, OUT_FP8: tl.constexpr):
     """The gated output of (sequence b, KV head h) from its splits' partials (read from L2:
     `.cg`, since in the folded form other programs stored them)."""
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    s = tl.arange(0, BLOCK_S)
+    g_mask = g < G
     base = ((b * HKV + h) * NUM_SPLITS).to(tl.int64) * G
-    sg_mask = (s[:, None] < NUM_SPLITS) & (g[None, :] < G)
-    m = tl.load(part_m_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask,
-                other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_l_ptr + base + s[:, None] * G + g[None, :], mask=sg_mask, other=0.0,
-                cache_modifier=".cg")
-    m_max = tl.max(m, axis=0)  # finite for real heads: the last split holds the step's own key
+    # Elementwise over the splits (unrolled, every load in flight at once), no reduction
+    # across threads: each thread's heads are its own. Finite for real heads (the last split
+    # holds the step's own key); empty splits weigh 0.
+    m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for i in tl.static_range(NUM_SPLITS):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + i * G + g, mask=g_mask,
+                                          other=float("-inf"), cache_modifier=".cg"))
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padded head rows
-    weight = tl.exp2(m - m_max[None, :])  # [BLOCK_S, BLOCK_G], 0 for empty splits
-    total = tl.sum(weight * l, axis=0)
-    gd_mask = (g[:, None] < G) & (d[None, :] < D)
+    gd_mask = g_mask[:, None] & (d[None, :] < D)
+    total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for i in tl.static_range(NUM_SPLITS):  # unrolled: every split's load is in flight at once
-        w_i = tl.sum(tl.where(s[:, None] == i, weight, 0.0), axis=0)
+    for i in tl.static_range(NUM_SPLITS):
+        m_i = tl.load(part_m_ptr + base + i * G + g, mask=g_mask, other=float("-inf"),
+                      cache_modifier=".cg")
+        l_i = tl.load(part_l_ptr + base + i * G + g, mask=g_mask, other=0.0, cache_modifier=".cg")
         o_i = tl.load(part_o_ptr + (base + i * G + g[:, None]) * D + d[None, :], mask=gd_mask,
                       other=0.0, cache_modifier=".cg")
+        w_i = tl.exp2(m_i - m_max)
+        total += w_i * l_i
         acc += w_i[:, None] * o_i
     _gated_output(acc, total, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_mask, HQ, G, D,
                   ACT, OUT_FP8)
@@ -205,13 +211,13 @@ def _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_sca
 def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr,
                            HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
                            D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr,
                            ACT: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr):
     let_next_launch(PDL)  # the o_proj launches now (the decode chain, _pdl.py)
     wait_for_inputs(PDL)
     _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr,
                   tl.program_id(0), tl.program_id(1), HQ, HKV, G, D, BLOCK_G, BLOCK_D,
-                  NUM_SPLITS, BLOCK_S, ACT, OUT_FP8)
+                  NUM_SPLITS, ACT, OUT_FP8)
 
 
 def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device,
@@ -249,7 +255,7 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
     fold = splits > 1 and cfg.get("fold_combine", _pdl.folded("combine"))
     tickets = sync_counters(q.device, b * hkv, "attention") if fold else out  # (unread)
     common = dict(HQ=hq, HKV=hkv, G=g, D=d, BLOCK_D=block_d, NUM_SPLITS=splits,
-                  BLOCK_S=next_pow2(splits), ACT=TL_DTYPES[q.dtype],
+                  ACT=TL_DTYPES[q.dtype],
                   OUT_FP8=out.dtype == FP8_DTYPE, PDL=pdl)
     _decode_split_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, q_start, hist_start, cache_index, k_scale, v_scale,

@@ -27,20 +27,31 @@ from .registry import triton_interpreted
 # Where the decode chain may launch a kernel early: the `link` of `launch_early`. On by
 # default: the split FP8 GEMMs (q/k/v behind the boundary norm, o_proj behind the attention's
 # combine), the whole-row norms (behind o_proj, the MoE's down GEMM, a dense layer's GEMMs),
-# the router's logits GEMV (its weights read before its wait) and qk_prep (its angles and the
-# gate's weight rows before its wait).
+# the router's logits GEMV (its weights read before its wait), qk_prep (its angles and the
+# gate's weight rows before its wait) and the attention's split and combine (the split's
+# first K/V tile before its wait).
 # FOLDS: kernels of the chain that can be folded into the kernel before them, whose last
 # program to finish then does their work (counted with `_common.sync_counters`' tickets): the
 # attention's combine into its split kernel, the router's selection into its logits GEMV.
 # Not launches: they apply on every device, the interpreter included. Off by default.
-# The H200 A/Bs (bench/engine_bench.py --chain-ab, docs/BENCHMARKS.md sessions 13 and 14),
-# on a sliding MoE layer: the GEMMs early 1.5-2 us faster, the norms nothing there (5 us on a
+# LATE: kernels of the chain that let their successor launch only once their own wait has
+# returned (`chain_mode` 2), not at their start. A successor launched at the start of a
+# kernel that is itself launched early becomes resident while the kernel two before it still
+# runs, and takes shared memory and warps from it: the next q/k/v GEMM's 256 programs from
+# the MoE's down GEMM (behind the boundary norm), the router's 128 from the o_proj (behind
+# the norm before the MoE), the attention's split from the q/k/v GEMM (behind qk_prep).
+# On by default for the norms and qk_prep.
+# The H200 A/Bs (bench/engine_bench.py --chain-ab, docs/BENCHMARKS.md sessions 13-15), on a
+# sliding MoE layer: the GEMMs early 1.5-2 us faster, the norms nothing there (5 us on a
 # dense layer), the router and qk_prep with their preloads 3-3.5 us together; the attention's
-# kernels early 0.5-3 us slower (with or without the split's first K/V tile read before its
-# wait); the combine fold within +-1 us, the select fold 0.5-1 us slower.
+# kernels early 0.5-3 us slower while qk_prep let them launch at its start, 1.2 us faster
+# once it lets them launch after its wait; the norms' late trigger 2.0 us (2.5 on the full
+# layer); the linear GEMMs' late trigger nothing; the combine fold within +-1 us, the select
+# fold 0.5-1 us slower (both slower again in session 15).
 LINKS = ("norm", "linear", "qk_prep", "attention", "router")
 FOLDS = ("combine", "select")
-DEFAULT_LINKS = ("linear", "norm", "router", "qk_prep")
+LATE = ("late_norm", "late_linear", "late_qk_prep")
+DEFAULT_LINKS = ("linear", "norm", "router", "qk_prep", "attention", "late_norm", "late_qk_prep")
 _CHAIN = {"links": frozenset(DEFAULT_LINKS)}
 
 
@@ -58,6 +69,14 @@ def decode_chain(device: torch.device) -> bool:
     return bool(_CHAIN["links"]) and has_pdl(device)
 
 
+def chain_mode(device: torch.device, kernel: str) -> int:
+    """The PDL constexpr of chain kernel `kernel` (one of LINKS): 0 outside the chain, 1 when it
+    lets its successor launch at its start, 2 when only after its wait (LATE)."""
+    if not decode_chain(device):
+        return 0
+    return 2 if f"late_{kernel}" in _CHAIN["links"] else 1
+
+
 def launch_early(device: torch.device, link: str) -> dict:
     """The launch keyword arguments of a chain kernel at `link` (one of LINKS)."""
     assert link in LINKS, link
@@ -71,26 +90,31 @@ def folded(name: str) -> bool:
 
 
 def set_decode_chain(links=True) -> None:
-    """The chain's links and folds from now on: True (the default ones), "all", False (none)
-    or some of LINKS + FOLDS (a captured CUDA graph keeps what it captured)."""
+    """The chain's links, folds and late triggers from now on: True (the default ones), "all"
+    (LINKS + FOLDS), False (none) or some of LINKS + FOLDS + LATE (a captured CUDA graph keeps
+    what it captured)."""
     chosen = (DEFAULT_LINKS if links is True else LINKS + FOLDS if links == "all" else
               () if links is False else tuple(links))
-    unknown = set(chosen) - set(LINKS + FOLDS)
+    unknown = set(chosen) - set(LINKS + FOLDS + LATE)
     if unknown:
         raise ValueError(f"unknown decode-chain links {sorted(unknown)}; known: "
-                         f"{LINKS + FOLDS}")
+                         f"{LINKS + FOLDS + LATE}")
     _CHAIN["links"] = frozenset(chosen)
 
 
 @triton.jit
 def let_next_launch(PDL: tl.constexpr):
-    """Allow the next kernel on the stream to launch now (its own wait orders its reads)."""
-    if PDL:
+    """Allow the next kernel on the stream to launch now (its own wait orders its reads);
+    PDL 2 (`chain_mode`'s LATE): not here but once `wait_for_inputs` returns."""
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """Block until the kernel before this one has finished and its writes are visible."""
+    """Block until the kernel before this one has finished and its writes are visible (PDL 2:
+    then let the next kernel launch)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()

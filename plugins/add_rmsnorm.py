@@ -35,7 +35,7 @@ from beam_trtllm.reference import residual_add, rms_norm
 from ._common import (FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2,
                       sum_partials, summed_partials)
 from ._fp8_act import fp8_codes, load_fp8_scale
-from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
+from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
 from .registry import dispatch, register
 from .rmsnorm import row_launch_params
 
@@ -85,7 +85,9 @@ def _add_rmsnorm_kernel(h_ptr, y_ptr, yw_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
     # PARTIALS > 0: y holds that many partials stride_ys apart, added in order (WEIGHTED: each
     # times its row's weight at yw_ptr, from 0) and rounded to h's dtype (0: y is y).
     # PDL (the decode chain, _pdl.py): launched while the kernel before it runs, it loads the
-    # norm weights, lets the next kernel launch and waits for h and y.
+    # norm weights, lets the next kernel launch and waits for h and y (PDL 2, the default:
+    # waits, then lets the next one launch, which so does not sit on the SMs beside the GEMM
+    # before this norm).
     let_next_launch(PDL)
     cols = tl.arange(0, BLOCK_H)[None, :]
     w_post = tl.load(wpost_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
@@ -181,7 +183,7 @@ def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
             num_warps=CHUNKED["num_warps"])
     elif t:
         grid, p = row_launch_params(t, hidden, h.device, q is not None)
-        pdl = decode_chain(h.device)
+        pdl = chain_mode(h.device, "norm")
         _add_rmsnorm_kernel[(grid,)](
             h, y, yw, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(-2),
             y.stride(0) if partials else 0, yw.stride(0), h_new.stride(0), x.stride(0),

@@ -159,15 +159,14 @@ def _select_experts(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, split_str
     key = tl.where(kept[:, None] & valid, key, 0)
     slots = tl.arange(0, K_P2)
     picks = tl.zeros([K_P2], dtype=tl.int32)
-    chosen_w = tl.zeros([K_P2], tl.float32)
     for i in tl.static_range(K):
         top = tl.max(tl.max(key, axis=1), axis=0)
         picks = tl.where(slots == i, _key_index(top, 32), picks)
-        # its unbiased score, taken from the tile (one lane holds it: the sum is exact), where
-        # a load of its logits would wait for the picks
-        w_i = tl.sum(tl.sum(tl.where(key == top, s, 0.0), axis=1), axis=0)
-        chosen_w = tl.where(slots == i, w_i, chosen_w)
         key = tl.where(key == top, 0, key)
+    # the picks' unbiased scores, gathered from the tile after the loop (where a sum a pick
+    # would add reductions, and a load of their logits would wait on memory)
+    flat = (picks // EPG) * EPG_P2 + picks % EPG
+    chosen_w = tl.where(slots < K, tl.gather(tl.reshape(s, [NG_P2 * EPG_P2]), flat, 0), 0.0)
     if RENORM:
         chosen_w = tl.math.div_rn(chosen_w, tl.sum(chosen_w, axis=0))
     tl.store(ids_ptr + t * K + slots, picks, mask=slots < K)

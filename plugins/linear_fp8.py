@@ -38,7 +38,7 @@ from ._checks import (ACT_DTYPES, _expect, check_device, check_linear_x, check_o
 from ._fp8_act import quant_fp8_per_tensor
 from ._gemm import gemm_loop, round_to, tile_of, unswap
 from ._moe_common import GemmConfig
-from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
+from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
 from ._tiles import linear_config
 from .registry import dispatch, register
 from .tuning import tuned_linear
@@ -210,7 +210,7 @@ def linear_fp8_triton(x, weight, weight_scale, input_scale, out_dtype=None, spli
     y = torch.empty((split_k, m, n), dtype=out_dtype if split_k == 1 else torch.float32,
                     device=x.device)
     if m:
-        pdl = split_k > 1 and decode_chain(x.device)
+        pdl = chain_mode(x.device, "linear") if split_k > 1 else 0
         cfg = _config(m, n, k, config, split_k)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k)
         stride_ws = 0 if weight_scale.dim() == 0 else 1

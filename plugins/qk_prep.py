@@ -45,7 +45,7 @@ from . import _interp_dot  # noqa: F401  (interpreter BF16 dot fix, for the gate
 from ._attention_tiles import dot_precision
 from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, next_pow2,
                       rows_times_weights_after_wait, sum_partials, summed_partials)
-from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
+from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
 from ._rope import rope_inv_freq, rotation, rotation_constants
 from .cache_write import check_slots, ref_cache_write, store_cache_rows
 from .registry import dispatch, register
@@ -193,8 +193,9 @@ def _qk_prep_kernel(qkvg_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, kc_ptr, vc_
     # those compute the gate from x tile by tile (tokens x heads).
     PARTS: tl.constexpr = (HQ + QH - 1) // QH + 1
     # PDL (the decode chain, _pdl.py): launched during the q/k/v GEMM, it lets the attention
-    # launch and waits for the GEMM's output; the angles (from the step's positions, host
-    # copies) and the gate's weight rows before that.
+    # launch (PDL 2, the default: once its wait has returned, so that the attention's split
+    # does not sit on the SMs beside the GEMM) and waits for the GEMM's output; the angles
+    # (from the step's positions, host copies) and the gate's weight rows before that.
     let_next_launch(PDL)
     pid = tl.program_id(0)
     if pid < T * PARTS:
@@ -276,7 +277,7 @@ def _launch_qk_prep(qkvg, positions, q_norm_weight, k_norm_weight, k_cache, v_ca
         gp = dict(GATE_T=1, GATE_G=1, GATE_K=1, GATE_DOT=False, GATE_PRELOAD=False)
         x = g_weight = rows
     inv_freq = positions if is_full else rope_inv_freq(rope_theta, d, qkvg.device)  # (unread)
-    pdl = decode_chain(qkvg.device)
+    pdl = chain_mode(qkvg.device, "qk_prep")
     _qk_prep_kernel[(grid,)](
         qkvg, positions, inv_freq, q_norm_weight, k_norm_weight, k_cache, v_cache, slot_mapping,
         k_scale, v_scale, x, g_weight, q, k, v, gate, t, x.shape[1], rows.stride(0),

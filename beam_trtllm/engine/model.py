@@ -182,17 +182,19 @@ class BeamModel:
         return self.ops.add_rmsnorm_fp8(h, y, w_post, w_pre, scale, a, b, eps, y_weights)
 
     def layer(self, i: int, h: torch.Tensor, x: torch.Tensor, xq: torch.Tensor | None,
-              s: StepInputs):
+              s: StepInputs, into: int | None = None):
         """Decoder layer i: (residual stream h, its pre-attention norm x, x's FP8 codes or None)
-        -> the same for the next layer (after the last, x is the final norm's output)."""
+        -> the same for layer `into` (default i + 1; after the last, x is the final norm's
+        output). bench/ chains a layer into itself (into=i), the last one included."""
         layer = self.layers[i]
         y = self._attention(i, layer, x, xq, s)
         h, x, xq = self.boundary(h, y, layer["post_attention_layernorm"],
                                   layer["pre_feedforward_layernorm"], 2 * i, layer["ffn_in_scale"])
         y, y_weights = self._ffn(i, layer, x, xq)
-        last = i + 1 == len(self.layers)
-        nxt = self.final_norm if last else self.layers[i + 1]["input_layernorm"]
-        scale = None if last else self.layers[i + 1]["attn_in_scale"]
+        into = i + 1 if into is None else into
+        last = into == len(self.layers)
+        nxt = self.final_norm if last else self.layers[into]["input_layernorm"]
+        scale = None if last else self.layers[into]["attn_in_scale"]
         return self.boundary(h, y, layer["post_feedforward_layernorm"], nxt, 2 * i + 1, scale,
                              y_weights)
 

@@ -108,3 +108,11 @@ def test_moe_layer_decode_step_launches_at_most_13_kernels(engines, recipe, monk
                 model.layer(i, h, x, xq, s)
         assert [n.removeprefix("triton::") for n in launches] == EXPECTED[recipe], f"layer {i}"
     assert len(EXPECTED[recipe]) + SPLIT_COMBINE <= 13
+    # bench/engine_bench.py chains a layer into itself (into=i), the last one too: its
+    # boundary then makes the layer's own FP8 input, and the next run launches no more
+    with torch.inference_mode():
+        h, x, xq = model.layer(2, h, x, xq, s, into=2)
+        assert xq is not None and xq.dtype == torch.float8_e4m3fn
+        with recorded_launches() as launches:
+            model.layer(2, h, x, xq, s, into=2)
+    assert [n.removeprefix("triton::") for n in launches] == EXPECTED[recipe], "layer 2 chained"

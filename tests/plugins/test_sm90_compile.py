@@ -140,8 +140,11 @@ BUILDS = {
 # Spills tolerated outside every loop: moe_nvfp4's TMA decode (one activation row for the
 # MMA's 8 token columns) keeps five epilogue values in local memory across its K loop, a few
 # loads a program (H200, T=1: 68.5 us against 71.5 with the 8-row activation tile, which
-# does not spill; docs/BENCHMARKS.md session 10).
-OUTSIDE_LOOP_SPILLS = {"_moe_nvfp4_kernel": 32}
+# does not spill; docs/BENCHMARKS.md session 10). The decode attention's split kernel, with
+# an FP8 cache and FP8 output codes, launched early: 8 bytes (two values) outside its loop, at
+# 168 registers, with its first K/V tile held across the wait (as FP8 codes; as BF16 ones it
+# also spilled 8 without FP8 output codes, which now spills nothing).
+OUTSIDE_LOOP_SPILLS = {"_moe_nvfp4_kernel": 32, "_decode_split_kernel": 8}
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -258,17 +261,24 @@ def test_decode_chain_kernels_launch_early_and_wait_before_they_write(monkeypatc
 
 
 def test_default_decode_chain(monkeypatch):
-    """The default links (_pdl.DEFAULT_LINKS): the split GEMMs, the norms, qk_prep and the
-    router's two kernels are launched early; the attention's kernels are built for the chain
-    (they let the next kernel launch, and wait) but launched in order; nothing is folded."""
+    """The default links (_pdl.DEFAULT_LINKS): every kernel of the chain is launched early.
+    The norms and qk_prep let their successors launch only once their own wait has returned
+    (_pdl.LATE: else the router's GEMV, the next q/k/v GEMM or the attention's split would
+    sit on the SMs while the o_proj, the MoE's down GEMM or the q/k/v GEMM still stream their
+    weights); the other kernels at their start. Nothing is folded."""
     monkeypatch.setattr(_pdl, "has_pdl", lambda device: True)
     with compile_instead_of_launch() as compiled:
         _decode_chain()
     assert [name for name, _ in compiled] == CHAIN_KERNELS
-    early = {"_linear_fp8_kernel", "_add_rmsnorm_kernel", "_qk_prep_kernel",
-             "_router_logits_kernel", "_router_select_kernel"}
+    late = {"_add_rmsnorm_kernel", "_qk_prep_kernel"}
     for name, kernel in compiled:
-        assert kernel.metadata.launch_pdl == (name in early), name
+        assert kernel.metadata.launch_pdl, f"{name} is not launched early"
+        if name not in LETS_NEXT_LAUNCH:
+            continue
+        before_wait, after_wait = kernel.asm["ptx"].split("griddepcontrol.wait", 1)
+        trigger = "griddepcontrol.launch_dependents"
+        assert (trigger in before_wait) == (name not in late), f"{name}: trigger before wait"
+        assert (trigger in after_wait) == (name in late), f"{name}: trigger after wait"
 
 
 def test_without_pdl_no_kernel_waits(monkeypatch):
@@ -280,3 +290,22 @@ def test_without_pdl_no_kernel_waits(monkeypatch):
     for name, kernel in compiled:
         assert not kernel.metadata.launch_pdl, name
         assert "griddepcontrol" not in kernel.asm["ptx"], name
+
+
+def test_chain_modes(monkeypatch):
+    """_pdl.chain_mode: 0 off the chain, 1 for a kernel that lets its successor launch at its
+    start, 2 for one of _pdl.LATE; set_decode_chain refuses names it does not know."""
+    monkeypatch.setattr(_pdl, "has_pdl", lambda device: True)
+    cuda = torch.device("cuda")
+    try:
+        assert [_pdl.chain_mode(cuda, k) for k in ("norm", "qk_prep", "linear")] == [2, 2, 1]
+        _pdl.set_decode_chain(["norm", "late_linear"])
+        assert [_pdl.chain_mode(cuda, k) for k in ("norm", "linear")] == [1, 2]
+        _pdl.set_decode_chain(False)
+        assert _pdl.chain_mode(cuda, "norm") == 0
+        with pytest.raises(ValueError, match="late_router"):
+            _pdl.set_decode_chain(["norm", "late_router"])
+    finally:
+        _pdl.set_decode_chain(True)
+    monkeypatch.setattr(_pdl, "has_pdl", lambda device: False)
+    assert _pdl.chain_mode(cuda, "norm") == 0
