@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-from engine_bench import Chunk, bench_config, make_engine, prefill
-from engine_bench_layers import layer_input
+from engine_bench import bench_config, make_engine, prefill
+from engine_bench_layers import chain_layer, decode_chunk, layer_input
 from beam_trtllm.engine.batch import build_step
 
 
@@ -20,16 +20,13 @@ def main():
     torch.manual_seed(0)
     engine = make_engine(bench_config(False), "fp8", device, max_num_tokens=8 * 2048)
     chunks, _ = prefill(engine, 8, 2048, device, iters=1)
-    req = chunks[0].request
-    assert engine.scheduler._ensure_blocks(req, req.num_computed + 1)
-    s = build_step([Chunk(req, req.num_computed, 1)], engine.kv_plan.block_size,
+    s = build_step([decode_chunk(engine, chunks)], engine.kv_plan.block_size,
                    engine.cfg.sliding_window, device)
     h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         for i in [int(v) for v in sys.argv[1:]] or [1, 3]:
             x, xq = layer_input(engine.model, i, h)
-            for _ in range(3):
-                engine.model.layer(i, h, x, xq, s, into=i)
+            chain_layer(engine.model, i, h, x, xq, s, 3)
             torch.cuda.synchronize()
             print("layer", i, "done", flush=True)
 

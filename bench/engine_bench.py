@@ -33,15 +33,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench_layers import (  # noqa: E402
-    REPEATS, chain_ab, chain_links, count_launches, cuda_time, decode_layers, graph_timeline,
-    log,
+    REPEATS, chain_ab, chain_links, count_launches, cuda_time, decode_chunk, decode_layers,
+    graph_timeline, log,
 )
 from engine_bench_model import (  # noqa: E402
     bench_config, decode_bytes, make_engine, prefill_flops,
 )
 
 from beam_trtllm.engine.batch import build_step  # noqa: E402
-from beam_trtllm.engine.request import Chunk  # noqa: E402
 from beam_trtllm.engine.types import SamplingParams  # noqa: E402
 
 GB = 1e9
@@ -160,9 +159,7 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     if pre is None:
         return res
     chunks, prefill_ms = pre
-    req = chunks[0].request
-    assert engine.scheduler._ensure_blocks(req, req.num_computed + 1)
-    chunk = Chunk(req, req.num_computed, 1)
+    chunk = decode_chunk(engine, chunks)
     decode = section(res, "per-layer decode graphs", lambda: decode_layers(engine, chunk, device, 200))
     decode_ms, chained_ms = decode if decode else (None, None)
     if args.chain_ab and device.type == "cuda":

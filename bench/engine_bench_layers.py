@@ -12,6 +12,7 @@ import time
 import torch
 
 from beam_trtllm.engine.batch import build_step
+from beam_trtllm.engine.request import Chunk
 
 
 def cuda_time(fn, iters: int, device) -> float:
@@ -36,6 +37,13 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def decode_chunk(engine, chunks) -> Chunk:
+    """The next one-token step of the first prefilled request (its KV block reserved)."""
+    req = chunks[0].request
+    assert engine.scheduler._ensure_blocks(req, req.num_computed + 1)
+    return Chunk(req, req.num_computed, 1)
+
+
 def layer_input(model, i: int, h: torch.Tensor):
     """(x, its FP8 codes or None) of layer i as the engine makes them: layer 0's input norm,
     else the boundary that ends layer i - 1 (with layer i's q/k/v input scale)."""
@@ -50,7 +58,7 @@ def layer_input(model, i: int, h: torch.Tensor):
 REPEATS = 8  # layers one graph chains in the steady-state measurement
 
 
-def _chain(model, i: int, h, x, xq, s, repeats: int):
+def chain_layer(model, i: int, h, x, xq, s, repeats: int):
     """Layer i run `repeats` times, each on the previous run's output (as the whole-model graph
     chains 52 layers; the weights streamed in between are far larger than the L2). Each run's
     boundary prepares layer i's own input (its norm and FP8 codes), as a full layer's does in
@@ -80,7 +88,7 @@ def decode_layers(engine, chunk, device, iters: int) -> tuple[list[float], list[
             for repeats, out in ((1, single), (REPEATS, chained)):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    _chain(model, i, h, x, xq, s, repeats)
+                    chain_layer(model, i, h, x, xq, s, repeats)
                 out.append(cuda_time(graph.replay, iters, device) / repeats)
                 del graph
     return single, chained
@@ -101,7 +109,7 @@ def graph_timeline(engine, chunk, device, i: int = 1, replays: int = 5) -> list[
         x, xq = layer_input(model, i, h)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            _chain(model, i, h, x, xq, s, REPEATS)
+            chain_layer(model, i, h, x, xq, s, REPEATS)
         graph.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

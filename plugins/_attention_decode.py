@@ -24,7 +24,7 @@ from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_ca
 from . import _pdl
 from ._common import (FP8_DTYPE, TL_DTYPES, is_fp8, last_to_arrive, next_pow2, sm_count,
                       sync_counters)
-from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
+from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
 from .tuning import tuned_decode
 
 # Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
@@ -251,7 +251,7 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
         part_o = q.new_empty(b, hkv, splits, g, d, dtype=torch.float32)
         part_m = q.new_empty(b, hkv, splits, g, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
-    pdl, early = decode_chain(q.device), launch_early(q.device, "attention")
+    pdl, early = chain_mode(q.device, "attention"), launch_early(q.device, "attention")
     fold = splits > 1 and cfg.get("fold_combine", _pdl.folded("combine"))
     tickets = sync_counters(q.device, b * hkv, "attention") if fold else out  # (unread)
     common = dict(HQ=hq, HKV=hkv, G=g, D=d, BLOCK_D=block_d, NUM_SPLITS=splits,

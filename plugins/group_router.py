@@ -33,7 +33,7 @@ from beam_trtllm.reference import route
 from . import _pdl
 from ._common import (FLOAT_DTYPES, check, check_tensor, last_to_arrive, next_pow2,
                       rows_times_weights_after_wait, sync_counters)
-from ._pdl import decode_chain, launch_early, let_next_launch, wait_for_inputs
+from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
 from .registry import dispatch, register
 
 OP = "group_router"
@@ -202,7 +202,7 @@ def _launch_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
     p = logits_launch_params(t)
     logits = x.new_empty(p["SPLIT"], t, e, dtype=torch.float32)
     grid = (triton.cdiv(e, p["BLOCK_E"]), triton.cdiv(t, p["BLOCK_T"]), p["SPLIT"])
-    pdl, early = decode_chain(x.device), launch_early(x.device, "router")
+    pdl, early = chain_mode(x.device, "router"), launch_early(x.device, "router")
     preload = bool(early) and triton.cdiv(h, p["SPLIT"]) <= p["BLOCK_H"]
     # the few-token GEMV's last program selects (a decode step's few tokens, one at a time)
     fold = not p["USE_DOT"] and _pdl.folded("select")

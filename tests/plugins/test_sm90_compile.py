@@ -140,10 +140,11 @@ BUILDS = {
 # Spills tolerated outside every loop: moe_nvfp4's TMA decode (one activation row for the
 # MMA's 8 token columns) keeps five epilogue values in local memory across its K loop, a few
 # loads a program (H200, T=1: 68.5 us against 71.5 with the 8-row activation tile, which
-# does not spill; docs/BENCHMARKS.md session 10). The decode attention's split kernel, with
-# an FP8 cache and FP8 output codes, launched early: 8 bytes (two values) outside its loop, at
-# 168 registers, with its first K/V tile held across the wait (as FP8 codes; as BF16 ones it
-# also spilled 8 without FP8 output codes, which now spills nothing).
+# does not spill; docs/BENCHMARKS.md session 10). The decode attention's split kernel,
+# launched early with an FP8 cache and FP8 output codes: 8 bytes (two values) outside its
+# loop, at 168 registers, while it holds its first K/V tile across the wait. (It holds the
+# tile as FP8 codes; converted to BF16 before the wait, the tile also made the FP8 cache's
+# BF16-output build spill 8 bytes.)
 OUTSIDE_LOOP_SPILLS = {"_moe_nvfp4_kernel": 32, "_decode_split_kernel": 8}
 
 
