@@ -13,6 +13,11 @@ NVFP4 (W4A16 on Hopper). Reports, per format:
 
     PYTHONPATH=. python bench/engine_bench.py [--formats fp8,nvfp4] [--smoke]
 
+A/B options (GPU): --chain-ab times the layers under decode-chain / attention-config variants
+in one process (--chain-ab-batch for a batch above 1, --chain-ab-timelines to profile each;
+the profiler disturbs the times measured after it), --throughput-ab the batch-64 whole-model
+step under chain variants.
+
 --smoke runs a narrow config on the CPU (reference ops) to check the script itself. The two
 ceilings are measured first (device copy, dense BF16 / FP8 GEMMs), as METHOD.md asks.
 """
@@ -33,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench_layers import (  # noqa: E402
-    REPEATS, chain_ab, chain_links, count_launches, cuda_time, decode_chunk, decode_layers,
+    REPEATS, chain_ab, chain_links, count_launches, cuda_time, decode_chunks, decode_layers,
     graph_timeline, log,
 )
 from engine_bench_model import (  # noqa: E402
@@ -159,16 +164,17 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     if pre is None:
         return res
     chunks, prefill_ms = pre
-    chunk = decode_chunk(engine, chunks)
-    decode = section(res, "per-layer decode graphs", lambda: decode_layers(engine, chunk, device, 200))
+    batch1 = decode_chunks(engine, chunks)
+    decode = section(res, "per-layer decode graphs", lambda: decode_layers(engine, batch1, device, 200))
     decode_ms, chained_ms = decode if decode else (None, None)
     if args.chain_ab and device.type == "cuda":
         res["chain_ab"] = section(res, "decode chain A/B", lambda: chain_ab(
-            engine, chunk, device, args.chain_ab, args.chain_rounds))
+            engine, decode_chunks(engine, chunks, args.chain_ab_batch), device, args.chain_ab,
+            args.chain_rounds, args.timeline_layers if args.chain_ab_timelines else ()))
     for i in args.timeline_layers:
         res[f"timeline_layer{i}"] = section(res, f"layer-{i} graph timeline",
-                                            lambda i=i: graph_timeline(engine, chunk, device, i))
-    launches = section(res, "launch count", lambda: count_launches(engine, chunk, device))
+                                            lambda i=i: graph_timeline(engine, batch1, device, i))
+    launches = section(res, "launch count", lambda: count_launches(engine, batch1, device))
     for i in range(cfg.num_hidden_layers):
         base = fmt.removesuffix("+gate")
         nbytes = decode_bytes(cfg, base, i, context=seq_len)
@@ -197,7 +203,32 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     res["decode"] = [d for b in batches if (d := section(res, f"decode batch {b}", lambda b=b:
                      decode_throughput(engine, b, 128 if not args.smoke else 6,
                                        32 if not args.smoke else 2, device))) is not None]
+    if args.throughput_ab and device.type == "cuda":
+        res["throughput_ab"] = section(res, "decode throughput A/B", lambda: throughput_ab(
+            engine, device, args.throughput_ab, args.chain_rounds))
     return res
+
+
+def throughput_ab(engine, device, variants: str, rounds: int, batch: int = 64) -> list[dict]:
+    """Whole-model decode throughput at `batch` under each decode-chain variant (a --chain
+    variant; ";" between them), alternating `rounds` times, graphs captured again for each."""
+    from beam_trtllm.engine.graphs import DecodeGraphs
+    from plugins import _pdl
+
+    run_chain, run_graphs, out = tuple(_pdl._CHAIN["links"]), engine.graphs, []
+    try:
+        for r in range(rounds):
+            for v in variants.split(";"):
+                _pdl.set_decode_chain(chain_links(v))
+                engine.graphs = DecodeGraphs(engine.model, engine.options, engine.kv_plan,
+                                             engine.cfg, device, sizes=(batch,))
+                out.append({"round": r, "chain": v,
+                            **decode_throughput(engine, batch, 128, 32, device)})
+                log(f"throughput {v}: batch {batch} {out[-1]['step_ms']:.3f} ms/step")
+    finally:
+        _pdl.set_decode_chain(run_chain)
+        engine.graphs = run_graphs
+    return out
 
 
 def print_table(results: list[dict], ceilings: dict) -> None:
@@ -226,6 +257,14 @@ def print_table(results: list[dict], ceilings: dict) -> None:
                         if k.startswith("timeline_layer")):
             for k in r[f"timeline_layer{i}"] or []:
                 print(f"    layer {i} in the chained graph: {k}")
+        for ab in r.get("chain_ab") or []:
+            for i, rows in (ab.get("timelines") or {}).items():
+                print(f"    {ab['chain']}: layer {i} ends after the previous kernel's end (us): "
+                      + ", ".join(f"{k['name'].removeprefix('_').split('_kernel')[0]} "
+                                  f"{k.get('after_prev_end_us', float('nan')):.1f}" for k in rows))
+        for d in r.get("throughput_ab") or []:
+            print(f"throughput A/B round {d['round']} {d['chain']}: batch {d['batch']} "
+                  f"{d['step_ms']:.3f} ms/step")
         for d in r.get("decode", []):
             print(f"decode batch {d['batch']}: {d['step_ms']:.3f} ms/step, {d['tokens_per_s']:.0f} tok/s "
                   f"({d['graph_steps']}/{d['steps']} steps in CUDA graphs)")
@@ -244,6 +283,13 @@ def main() -> None:
                          "FOLDS; a variant may end in '|KEY=VALUE/...': decode attention "
                          "DECODE_CONFIG overrides, e.g. 'default|min_split_short=512')")
     ap.add_argument("--chain-rounds", type=int, default=2)
+    ap.add_argument("--throughput-ab", default="", metavar="VARIANTS",
+                    help="also time batch-64 decode throughput under these --chain variants "
+                         "(';' between them), alternating --chain-rounds times")
+    ap.add_argument("--chain-ab-batch", type=int, default=1,
+                    help="the decode batch of --chain-ab (at most the 8 prefilled requests)")
+    ap.add_argument("--chain-ab-timelines", action="store_true",
+                    help="also profile --timeline-layers under each --chain-ab variant")
     ap.add_argument("--chain", default="default", metavar="VARIANT",
                     help="the decode chain of the whole run (main table, graphs, throughput): "
                          "a --chain-ab variant without overrides")

@@ -37,11 +37,14 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def decode_chunk(engine, chunks) -> Chunk:
-    """The next one-token step of the first prefilled request (its KV block reserved)."""
-    req = chunks[0].request
-    assert engine.scheduler._ensure_blocks(req, req.num_computed + 1)
-    return Chunk(req, req.num_computed, 1)
+def decode_chunks(engine, chunks, batch: int = 1) -> list[Chunk]:
+    """The next one-token step of the first `batch` prefilled requests (KV blocks reserved)."""
+    assert batch <= len(chunks), f"decode batch {batch} > {len(chunks)} prefilled requests"
+    out = []
+    for c in chunks[:batch]:
+        assert engine.scheduler._ensure_blocks(c.request, c.request.num_computed + 1)
+        out.append(Chunk(c.request, c.request.num_computed, 1))
+    return out
 
 
 def layer_input(model, i: int, h: torch.Tensor):
@@ -69,13 +72,13 @@ def chain_layer(model, i: int, h, x, xq, s, repeats: int):
     return h, x, xq
 
 
-def decode_layers(engine, chunk, device, iters: int) -> tuple[list[float], list[float]]:
+def decode_layers(engine, step_chunks, device, iters: int) -> tuple[list[float], list[float]]:
     """Batch-1 decode time of each layer: (one replay of a graph holding the layer once, which
     also pays the graph launch; the per-layer time of a graph chaining it REPEATS times, which
     pays it once for all, as the whole-model graph does)."""
-    s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    s = build_step(step_chunks, engine.kv_plan.block_size, engine.cfg.sliding_window, device)
     model, single, chained = engine.model, [], []
-    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    h = torch.randn(len(step_chunks), engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         for i in range(len(model.layers)):
             x, xq = layer_input(model, i, h)
@@ -94,7 +97,7 @@ def decode_layers(engine, chunk, device, iters: int) -> tuple[list[float], list[
     return single, chained
 
 
-def graph_timeline(engine, chunk, device, i: int = 1, replays: int = 5) -> list[dict]:
+def graph_timeline(engine, step_chunks, device, i: int = 1, replays: int = 5) -> list[dict]:
     """Layer i's kernels as they run inside the chained graph (torch profiler over replays):
     per kernel, the median duration and the median idle gap before it (end of the previous
     kernel to its start), over the middle repeats (the first pays the graph launch)."""
@@ -102,9 +105,9 @@ def graph_timeline(engine, chunk, device, i: int = 1, replays: int = 5) -> list[
         return []
     from torch.profiler import ProfilerActivity, profile
 
-    s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    s = build_step(step_chunks, engine.kv_plan.block_size, engine.cfg.sliding_window, device)
     model = engine.model
-    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    h = torch.randn(len(step_chunks), engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         x, xq = layer_input(model, i, h)
         graph = torch.cuda.CUDAGraph()
@@ -135,7 +138,8 @@ def graph_timeline(engine, chunk, device, i: int = 1, replays: int = 5) -> list[
                 durs.append(kernels[n].time_range.elapsed_us())
                 gaps.append(kernels[n].time_range.start - kernels[n - 1].time_range.end)
         rows.append({"name": kernels[per_replay - per_layer + j].name[:80],
-                     "us": statistics.median(durs), "gap_us": statistics.median(gaps)})
+                     "us": statistics.median(durs), "gap_us": statistics.median(gaps),
+                     "after_prev_end_us": statistics.median(d + g for d, g in zip(durs, gaps))})
     return rows
 
 
@@ -150,15 +154,15 @@ def _period(names: list[str], repeats: int) -> int | None:
     return None
 
 
-def count_launches(engine, chunk, device) -> list[dict]:
+def count_launches(engine, step_chunks, device) -> list[dict]:
     """Kernels each layer launches in one eager batch-1 decode step (torch profiler)."""
     if device.type != "cuda":
         return [{} for _ in engine.model.layers]
     from torch.profiler import ProfilerActivity, profile
 
-    s = build_step([chunk], engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    s = build_step(step_chunks, engine.kv_plan.block_size, engine.cfg.sliding_window, device)
     model, out = engine.model, []
-    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    h = torch.randn(len(step_chunks), engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         for i in range(len(model.layers)):
             x, xq = layer_input(model, i, h)
@@ -187,13 +191,15 @@ def chain_links(variant: str):
             for n in (_pdl.DEFAULT_LINKS if item == "default" else (item,))]
 
 
-def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
+def chain_ab(engine, step_chunks, device, variants: str, rounds: int,
+             timeline_layers: tuple[int, ...] = ()) -> list[dict]:
     """The per-layer chained decode times under each decode-chain variant (plugins/_pdl.py:
     "off", "default", "all", or links, folds and late triggers joined by ",", "default" among
     them standing for the default links; variants separated by ";"),
     alternating, `rounds` times each (same process, same weights: an A/B within one lease).
     A variant may end in "|KEY=VALUE/KEY=VALUE": integer overrides of the decode attention's
-    DECODE_CONFIG (plugins/_attention_decode.py) for that variant."""
+    DECODE_CONFIG (plugins/_attention_decode.py) for that variant. In the first round each
+    variant also profiles `timeline_layers` (graph_timeline)."""
     from plugins import _attention_decode, _pdl
 
     saved, run_chain = dict(_attention_decode.DECODE_CONFIG), tuple(_pdl._CHAIN["links"])
@@ -209,8 +215,11 @@ def chain_ab(engine, chunk, device, variants: str, rounds: int) -> list[dict]:
                 _attention_decode.DECODE_CONFIG.update(
                     saved, **{key: int(val) for key, val in pairs.items()})
                 _tune_batch1_moe(engine.cfg, moe)
-                _, chained = decode_layers(engine, chunk, device, 200)
+                _, chained = decode_layers(engine, step_chunks, device, 200)
                 out.append({"round": r, "chain": v, "chained_ms": chained})
+                if r == 0:
+                    out[-1]["timelines"] = {i: graph_timeline(engine, step_chunks, device, i)
+                                            for i in timeline_layers}
                 log(f"decode chain {v}: chained ms " + " / ".join(f"{c:.4f}" for c in chained))
     finally:
         _pdl.set_decode_chain(run_chain)

@@ -33,9 +33,14 @@ from .tuning import tuned_decode
 # Short caches (a sliding layer's ring, a full layer's table of <= 2K slots: batch-1 decode
 # of the engine bench's layers) take shorter splits and 2 stages: 7.3 us instead of 11.5 for
 # a 512-slot ring at batch 1 (H200 sweep, bench/decode_sweep.py, 2026-11-29).
+# Splits of one 128-key tile where the grid allows (min_split 128: at batch 1 with an FP8
+# cache, caches of up to 50 tiles), so that the whole split is read before the wait when it
+# is launched early, and a combine of one warp a 16 head dims: in the engine bench's decode
+# chain the full MoE layer (2K context) -4 us, the sliding ones -1 (docs/BENCHMARKS.md
+# session 16).
 DECODE_CONFIG = dict(BLOCK_N=128, BLOCK_N_SHORT=64, short_capacity=2048, num_warps=4,
                      num_stages=3, num_stages_short=2, programs_per_sm=2, programs_per_sm_fp8=3,
-                     min_split=256, min_split_short=64)
+                     min_split=128, min_split_short=64, combine_block_d=16, combine_warps=1)
 
 
 @triton.jit
@@ -48,7 +53,7 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
                          DOT_PREC: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr,
-                         PDL: tl.constexpr, PRELOAD: tl.constexpr,
+                         PDL: tl.constexpr, PRELOAD: tl.constexpr, ONE_TILE: tl.constexpr,
                          FOLD_COMBINE: tl.constexpr):
     # NUM_SPLITS == 1: one program holds the whole context of its (sequence, KV head) and
     # writes the gated output itself (what the combine does with one split, bit for bit).
@@ -56,7 +61,9 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
     # waits for qk_prep's q / k / v. PRELOAD (launched early): the split's first K/V tile is
     # read before the wait; no kernel of the step writes it (qk_prep writes only the step's
     # own slot, position `start`, which no split reads: it comes from k_new / v_new), nor the
-    # step's metadata (host copies before the graph's first kernel).
+    # step's metadata (host copies before the graph's first kernel). ONE_TILE: no split holds
+    # more than one tile (NUM_SPLITS * BLOCK_N covers the addressable cache): no loop, so no
+    # pipeline buffers in shared memory either.
     let_next_launch(PDL)
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = q_ptr.dtype.element_ty
@@ -83,9 +90,14 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
         m_i, l_i, acc = _tile_step(q, k0.to(dtype), v0.to(dtype), valid0, k_scale, m_i, l_i,
                                    acc, DOT_PREC)
         first = s_lo + BLOCK_N
-    for j0 in range(first, s_hi, BLOCK_N):
-        k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, j0, D, BLOCK_N, dtype)
-        m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
+    if ONE_TILE:
+        if not PRELOAD:
+            k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, s_lo, D, BLOCK_N, dtype)
+            m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
+    else:
+        for j0 in range(first, s_hi, BLOCK_N):
+            k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, j0, D, BLOCK_N, dtype)
+            m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
     if IS_FP8:
         acc = acc * tl.load(vs_ptr)
     if split == NUM_SPLITS - 1:  # the step's own key (position `start`) comes from k_new
@@ -106,7 +118,7 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
             ticket = tickets_ptr + b * HKV + h
             if last_to_arrive(ticket, NUM_SPLITS):
                 _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr,
-                              out_scale_ptr, b, h, HQ, HKV, G, D, BLOCK_G, BLOCK_D,
+                              out_scale_ptr, b, h, 0, HQ, HKV, G, D, BLOCK_G, BLOCK_D,
                               NUM_SPLITS, ACT, OUT_FP8)
                 tl.atomic_xchg(ticket, 0)  # for the next launch
 
@@ -174,13 +186,14 @@ def _gated_output(acc, total, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_m
 
 @triton.jit
 def _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr, b, h,
-                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                  d0, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   ACT: tl.constexpr, OUT_FP8: tl.constexpr):
-    """The gated output of (sequence b, KV head h) from its splits' partials (read from L2:
-    `.cg`, since in the folded form other programs stored them)."""
+    """The gated output of (sequence b, KV head h), head dims [d0, d0 + BLOCK_D), from its
+    splits' partials (read from L2: `.cg`, since in the folded form other programs stored
+    them)."""
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
+    d = d0 + tl.arange(0, BLOCK_D)
     g_mask = g < G
     base = ((b * HKV + h) * NUM_SPLITS).to(tl.int64) * G
     # Elementwise over the splits (unrolled, every load in flight at once), no reduction
@@ -213,11 +226,13 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
                            D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                            NUM_SPLITS: tl.constexpr,
                            ACT: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr):
+    # One program a (sequence, KV head, BLOCK_D head dims): with one a (sequence, KV head),
+    # batch 1's merge ran on 8 SMs, each reading its pair's partials from L2 alone.
     let_next_launch(PDL)  # the o_proj launches now (the decode chain, _pdl.py)
     wait_for_inputs(PDL)
     _merge_splits(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr, out_scale_ptr,
-                  tl.program_id(0), tl.program_id(1), HQ, HKV, G, D, BLOCK_G, BLOCK_D,
-                  NUM_SPLITS, ACT, OUT_FP8)
+                  tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_D, HQ, HKV, G, D,
+                  BLOCK_G, BLOCK_D, NUM_SPLITS, ACT, OUT_FP8)
 
 
 def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device,
@@ -263,10 +278,12 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
         v_new.stride(0), v_new.stride(1), m, block_size, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), window, LOG2E / d**0.5, BLOCK_G=block_g, BLOCK_N=block_n,
         IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype),
-        PRELOAD=cfg.get("preload", bool(early)), FOLD_COMBINE=fold, **common, **early,
-        num_warps=cfg["num_warps"], num_stages=stages)
+        PRELOAD=cfg.get("preload", bool(early)),
+        ONE_TILE=bool(cfg.get("one_tile", True)) and splits * block_n >= capacity,
+        FOLD_COMBINE=fold, **common, **early, num_warps=cfg["num_warps"], num_stages=stages)
     if splits > 1 and not fold:
-        _decode_combine_kernel[(b, hkv)](
-            part_o, part_m, part_l, gate, out, out_scale, BLOCK_G=next_pow2(g), **common,
-            **early, num_warps=4)
+        combine_d = min(block_d, cfg["combine_block_d"])
+        _decode_combine_kernel[(b, hkv, triton.cdiv(d, combine_d))](
+            part_o, part_m, part_l, gate, out, out_scale, BLOCK_G=next_pow2(g),
+            **dict(common, BLOCK_D=combine_d), **early, num_warps=cfg["combine_warps"])
     return out

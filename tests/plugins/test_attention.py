@@ -184,6 +184,49 @@ def test_decode_first_tile_read_before_the_wait_gives_the_same_bits(kind, kv_dty
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("kind", ["full", "sliding"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE])
+def test_decode_one_tile_splits_without_the_loop_give_the_same_bits(kind, kv_dtype):
+    """Splits that cover the cache in one tile each (ONE_TILE: no K/V loop, read before the
+    wait or after it) write the looping kernel's bits; with empty splits too."""
+    from plugins._attention_decode import launch_decode
+
+    case = attention_case(DECODE[kind], 6, 2, 32, 8 if kind == "sliding" else 0, 16,
+                          torch.bfloat16, kv_dtype, seed=9, device=KERNEL_DEVICE)
+    case.pop("cu_seqlens_q")
+    capacity = case["cache_index"].shape[1] * case["k_cache"].shape[1]
+    one_each = -(-capacity // 16)  # 16-key tiles: one a split, then some empty ones too
+    for splits in (one_each, one_each + 3):
+        for preload in (False, True):
+            config = {"splits": splits, "preload": preload, "BLOCK_N": 16, "BLOCK_N_SHORT": 16}
+            got = [launch_decode(**case, config=dict(config, one_tile=one)).cpu()
+                   for one in (False, True)]
+            assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16)), \
+                (splits, preload)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+@pytest.mark.parametrize("fp8_out", [False, True])
+def test_decode_combine_over_head_dim_slices_gives_the_same_bits(kind, fp8_out):
+    """The combine's programs each merge a slice of the head dims (combine_block_d): the bits
+    of one program a (sequence, KV head), for slices of 16 and 8 of head_dim 40 (a ragged
+    last slice)."""
+    from plugins._attention_decode import launch_decode
+
+    case = attention_case(DECODE[kind], 6, 2, 40, 8 if kind == "sliding" else 0, 16,
+                          torch.bfloat16, FP8_DTYPE, seed=10, device=KERNEL_DEVICE)
+    case.pop("cu_seqlens_q")
+    if fp8_out:
+        case["out_scale"] = torch.tensor(0.01, device=KERNEL_DEVICE)
+    view = torch.uint8 if fp8_out else torch.int16
+    got = [launch_decode(**case, config={"splits": 3, "combine_block_d": width}).cpu()
+           for width in (64, 16, 8)]
+    for width, out in zip((16, 8), got[1:]):
+        assert torch.equal(got[0].view(view), out.view(view)), width
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["full", "sliding"])
 @pytest.mark.parametrize("kv_dtype,fp8_out", [(torch.bfloat16, False), (FP8_DTYPE, True)])
 def test_decode_combine_folded_into_the_split_kernel_gives_the_same_bits(kind, kv_dtype,
                                                                          fp8_out):

@@ -40,6 +40,15 @@ def _attention(kv_dtype, new, fp8_out=False):
     _launch_attention(**case, out_scale=torch.ones(()) if fp8_out else None)
 
 
+def _attention_decode_one_tile():
+    """Batch-1 decode whose splits hold one tile each (ONE_TILE), read before the wait in the
+    decode chain, with FP8 output codes; and the combine over 16 head dims a program."""
+    case = attention_case([Seq(2200, 1)], HQ, HKV, D, 0, 32, BF16, FP8)
+    case.pop("cu_seqlens_q")
+    capacity = case["cache_index"].shape[1] * 32  # > short_capacity: 128-key tiles
+    launch_decode(**case, out_scale=torch.ones(()), config={"splits": -(-capacity // 128)})
+
+
 def _qk_prep(kv_dtype, full, t=3, gate_from_x=False):
     one = torch.ones(())
     cache = torch.zeros(2, 64, HKV, D, dtype=kv_dtype)
@@ -127,6 +136,7 @@ BUILDS = {
     "qk_prep-sliding-bf16": lambda: _qk_prep(BF16, False),
     "norm-cache-router": _misc,
     "attention-decode-fp8-out": lambda: _attention(FP8, 1, fp8_out=True),
+    "attention-decode-one-tile": _attention_decode_one_tile,
     "attention-prefill-fp8-out": lambda: _attention(BF16, 5, fp8_out=True),
     "qk_prep-gate-from-x": _qk_prep_gate,
     "qk_prep-full-gate-from-x": lambda: _qk_prep(FP8, True, 1, gate_from_x=True),
@@ -162,8 +172,12 @@ def test_kernels_compile_for_hopper_without_spills(build, monkeypatch):
         assert spilled <= allowed, f"{name} spills {spilled} bytes: {resource_usage(kernel)}"
         if allowed:
             assert not spills_in_loops(kernel), f"{name} spills inside its K loop"
-        if name == "_decode_split_kernel":
-            assert "cp.async.cg.shared.global" in kernel.asm["ptx"], "K/V loads not pipelined"
+        if name == "_decode_split_kernel":  # (one tile a split: no loop to pipeline)
+            one_tile = constexpr(kernel, "ONE_TILE")
+            assert ("cp.async.cg.shared.global" in kernel.asm["ptx"]) != one_tile, \
+                f"K/V loads pipelined: {not one_tile}"
+        if build == "attention-decode-one-tile":
+            assert name != "_decode_split_kernel" or constexpr(kernel, "ONE_TILE"), name
         if name == "_prefill_kernel":
             assert "warp_group_dot" in kernel.asm["ttgir"], "prefill does not use wgmma"
         if name in ("_moe_nvfp4_kernel", "_linear_nvfp4_kernel"):  # decoded tile: registers only
