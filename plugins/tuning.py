@@ -190,6 +190,8 @@ def _parse_config(family: str, raw, where: str):
         if name not in DECODE_CONFIG and name != "splits":
             raise TuningError(f"{where}: unknown {family} setting {name!r}")
         _positive_int(value, f"{where} {name}")
+        if name in DECODE_POW2 and value & (value - 1):  # (tile widths: tl.arange's)
+            raise TuningError(f"{where}: {name} must be a power of two, got {value}")
     return dict(raw)
 
 
@@ -215,6 +217,9 @@ def _gemm(raw, where: str) -> GemmConfig:
         raise TuningError(f"{where}: tail_m must be 0 or a power of two from 16 to below "
                           f"block_m={config.block_m}, got {tail!r}")
     return config
+
+
+DECODE_POW2 = ("BLOCK_N", "BLOCK_N_SHORT", "combine_block_d")
 
 
 def _positive_int(value, where: str) -> None:

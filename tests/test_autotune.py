@@ -91,6 +91,8 @@ def test_hooks_look_up_what_the_launchers_run():
      "share one token sort"),
     ({"key": list(next(iter(k for k in ENTRIES if k[0] == "attention_decode"))),
       "config": {"BLOCK_M": 64}}, "unknown attention_decode setting 'BLOCK_M'"),
+    ({"key": list(next(iter(k for k in ENTRIES if k[0] == "attention_decode"))),
+      "config": {"combine_block_d": 24}}, "combine_block_d must be a power of two"),
 ])
 def test_bad_tables_are_refused_and_install_nothing(entry, reason):
     good = tuning.to_json(ENTRIES)["entries"]

@@ -164,6 +164,17 @@ def test_decode_one_split_writes_what_the_combine_writes(kind, kv_dtype, fp8_out
                                    msg=f"{splits} splits")
 
 
+def _decode_case(kind: str, kv_dtype, seed: int, d: int = 32, fp8_out: bool = False) -> dict:
+    """launch_decode's arguments for the DECODE sequences (6 query heads on 2 KV heads, block
+    size 16, a window of 8 on the sliding layer); with fp8_out an output scale of 0.01."""
+    case = attention_case(DECODE[kind], 6, 2, d, 8 if kind == "sliding" else 0, 16,
+                          torch.bfloat16, kv_dtype, seed=seed, device=KERNEL_DEVICE)
+    case.pop("cu_seqlens_q")
+    if fp8_out:
+        case["out_scale"] = torch.tensor(0.01, device=KERNEL_DEVICE)
+    return case
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize("kind", ["full", "sliding"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE])
@@ -173,9 +184,7 @@ def test_decode_first_tile_read_before_the_wait_gives_the_same_bits(kind, kv_dty
     bits, with splits of one tile, of several, and empty ones (more splits than tiles)."""
     from plugins._attention_decode import launch_decode
 
-    case = attention_case(DECODE[kind], 6, 2, 32, 8 if kind == "sliding" else 0, 16,
-                          torch.bfloat16, kv_dtype, seed=7, device=KERNEL_DEVICE)
-    case.pop("cu_seqlens_q")
+    case = _decode_case(kind, kv_dtype, seed=7)
     for splits in (1, 2, 7):
         got = [launch_decode(**case, config={"splits": splits, "preload": preload}).cpu()
                for preload in (False, True)]
@@ -190,9 +199,7 @@ def test_decode_one_tile_splits_without_the_loop_give_the_same_bits(kind, kv_dty
     wait or after it) write the looping kernel's bits; with empty splits too."""
     from plugins._attention_decode import launch_decode
 
-    case = attention_case(DECODE[kind], 6, 2, 32, 8 if kind == "sliding" else 0, 16,
-                          torch.bfloat16, kv_dtype, seed=9, device=KERNEL_DEVICE)
-    case.pop("cu_seqlens_q")
+    case = _decode_case(kind, kv_dtype, seed=9)
     capacity = case["cache_index"].shape[1] * case["k_cache"].shape[1]
     one_each = -(-capacity // 16)  # 16-key tiles: one a split, then some empty ones too
     for splits in (one_each, one_each + 3):
@@ -213,11 +220,7 @@ def test_decode_combine_over_head_dim_slices_gives_the_same_bits(kind, fp8_out):
     last slice)."""
     from plugins._attention_decode import launch_decode
 
-    case = attention_case(DECODE[kind], 6, 2, 40, 8 if kind == "sliding" else 0, 16,
-                          torch.bfloat16, FP8_DTYPE, seed=10, device=KERNEL_DEVICE)
-    case.pop("cu_seqlens_q")
-    if fp8_out:
-        case["out_scale"] = torch.tensor(0.01, device=KERNEL_DEVICE)
+    case = _decode_case(kind, FP8_DTYPE, seed=10, d=40, fp8_out=fp8_out)
     view = torch.uint8 if fp8_out else torch.int16
     got = [launch_decode(**case, config={"splits": 3, "combine_block_d": width}).cpu()
            for width in (64, 16, 8)]
@@ -236,11 +239,7 @@ def test_decode_combine_folded_into_the_split_kernel_gives_the_same_bits(kind, k
     from _moe_testdata import sync_counters_all_zero
     from plugins._attention_decode import launch_decode
 
-    case = attention_case(DECODE[kind], 6, 2, 32, 8 if kind == "sliding" else 0, 16,
-                          torch.bfloat16, kv_dtype, seed=8, device=KERNEL_DEVICE)
-    case.pop("cu_seqlens_q")
-    if fp8_out:
-        case["out_scale"] = torch.tensor(0.01, device=KERNEL_DEVICE)
+    case = _decode_case(kind, kv_dtype, seed=8, fp8_out=fp8_out)
     view = torch.uint8 if fp8_out else torch.int16
     for splits in (2, 3, 7):
         got = [launch_decode(**case, config={"splits": splits, "fold_combine": fold}).cpu()
