@@ -160,6 +160,7 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     res["setup_s"] = time.perf_counter() - t
     log(f"{fmt}: weights made in {res['setup_s']:.1f} s, "
         f"{torch.cuda.memory_allocated() / 2**30 if device.type == 'cuda' else 0:.1f} GiB on the GPU")
+    whole_model_decode(engine, args, device, res)  # first: before the profiler runs
     pre = section(res, "prefill 8x2K", lambda: prefill(engine, seqs, seq_len, device, iters=2))
     if pre is None:
         return res
@@ -191,9 +192,14 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
             "kernel_us": launches[i].get("kernel_us") if launches else None,
             "prefill_ms": prefill_ms[i], "prefill_floor_ms": floor_prefill,
             "prefill_TFLOP": {u: f / 1e12 for u, f in flops.items()}})
-    for k in range(seqs):
-        engine.abort(f"p{k}")
-    engine.step()
+    return res
+
+
+def whole_model_decode(engine, args, device, res: dict) -> None:
+    """Batch-1 and batch-64 decode through Engine.step() with CUDA graphs, and the
+    --throughput-ab variants. Run before the per-layer sections, which use the torch
+    profiler (timelines, launch counts): chained layer times measured after it spread by up
+    to 10% (docs/BENCHMARKS.md session 16)."""
     if device.type == "cuda":
         from beam_trtllm.engine.graphs import DecodeGraphs
 
@@ -206,7 +212,6 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     if args.throughput_ab and device.type == "cuda":
         res["throughput_ab"] = section(res, "decode throughput A/B", lambda: throughput_ab(
             engine, device, args.throughput_ab, args.chain_rounds))
-    return res
 
 
 def throughput_ab(engine, device, variants: str, rounds: int, batch: int = 64) -> list[dict]:
