@@ -11,8 +11,7 @@ import sys
 import torch
 
 from engine_bench import bench_config, make_engine, prefill
-from engine_bench_layers import chain_layer, decode_chunks, layer_input
-from beam_trtllm.engine.batch import build_step
+from engine_bench_layers import chain_layer, decode_chunks, decode_inputs, layer_input
 
 
 def main():
@@ -20,9 +19,7 @@ def main():
     torch.manual_seed(0)
     engine = make_engine(bench_config(False), "fp8", device, max_num_tokens=8 * 2048)
     chunks, _ = prefill(engine, 8, 2048, device, iters=1)
-    s = build_step(decode_chunks(engine, chunks), engine.kv_plan.block_size,
-                   engine.cfg.sliding_window, device)
-    h = torch.randn(1, engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    s, h = decode_inputs(engine, decode_chunks(engine, chunks), device)
     with torch.inference_mode():
         for i in [int(v) for v in sys.argv[1:]] or [1, 3]:
             x, xq = layer_input(engine.model, i, h)

@@ -220,7 +220,7 @@ def throughput_ab(engine, device, variants: str, rounds: int, batch: int = 64) -
     from beam_trtllm.engine.graphs import DecodeGraphs
     from plugins import _pdl
 
-    run_chain, run_graphs, out = tuple(_pdl._CHAIN["links"]), engine.graphs, []
+    run_chain, run_graphs, out = _pdl.decode_chain_links(), engine.graphs, []
     try:
         for r in range(rounds):
             for v in variants.split(";"):

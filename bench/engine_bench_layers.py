@@ -47,6 +47,13 @@ def decode_chunks(engine, chunks, batch: int = 1) -> list[Chunk]:
     return out
 
 
+def decode_inputs(engine, step_chunks, device):
+    """(the step's inputs, a random residual stream h) of a decode step of `step_chunks`."""
+    s = build_step(step_chunks, engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    return s, torch.randn(len(step_chunks), engine.cfg.hidden_size, device=device,
+                          dtype=torch.bfloat16)
+
+
 def layer_input(model, i: int, h: torch.Tensor):
     """(x, its FP8 codes or None) of layer i as the engine makes them: layer 0's input norm,
     else the boundary that ends layer i - 1 (with layer i's q/k/v input scale)."""
@@ -76,9 +83,8 @@ def decode_layers(engine, step_chunks, device, iters: int) -> tuple[list[float],
     """Batch-1 decode time of each layer: (one replay of a graph holding the layer once, which
     also pays the graph launch; the per-layer time of a graph chaining it REPEATS times, which
     pays it once for all, as the whole-model graph does)."""
-    s = build_step(step_chunks, engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    s, h = decode_inputs(engine, step_chunks, device)
     model, single, chained = engine.model, [], []
-    h = torch.randn(len(step_chunks), engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         for i in range(len(model.layers)):
             x, xq = layer_input(model, i, h)
@@ -105,9 +111,8 @@ def graph_timeline(engine, step_chunks, device, i: int = 1, replays: int = 5) ->
         return []
     from torch.profiler import ProfilerActivity, profile
 
-    s = build_step(step_chunks, engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    s, h = decode_inputs(engine, step_chunks, device)
     model = engine.model
-    h = torch.randn(len(step_chunks), engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         x, xq = layer_input(model, i, h)
         graph = torch.cuda.CUDAGraph()
@@ -160,9 +165,8 @@ def count_launches(engine, step_chunks, device) -> list[dict]:
         return [{} for _ in engine.model.layers]
     from torch.profiler import ProfilerActivity, profile
 
-    s = build_step(step_chunks, engine.kv_plan.block_size, engine.cfg.sliding_window, device)
+    s, h = decode_inputs(engine, step_chunks, device)
     model, out = engine.model, []
-    h = torch.randn(len(step_chunks), engine.cfg.hidden_size, device=device, dtype=torch.bfloat16)
     with torch.inference_mode():
         for i in range(len(model.layers)):
             x, xq = layer_input(model, i, h)
@@ -202,7 +206,7 @@ def chain_ab(engine, step_chunks, device, variants: str, rounds: int,
     variant also profiles `timeline_layers` (graph_timeline)."""
     from plugins import _attention_decode, _pdl
 
-    saved, run_chain = dict(_attention_decode.DECODE_CONFIG), tuple(_pdl._CHAIN["links"])
+    saved, run_chain = dict(_attention_decode.DECODE_CONFIG), _pdl.decode_chain_links()
     out = []
     try:
         for r in range(rounds):

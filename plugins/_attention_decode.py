@@ -62,8 +62,8 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
     # read before the wait; no kernel of the step writes it (qk_prep writes only the step's
     # own slot, position `start`, which no split reads: it comes from k_new / v_new), nor the
     # step's metadata (host copies before the graph's first kernel). ONE_TILE: no split holds
-    # more than one tile (NUM_SPLITS * BLOCK_N covers the addressable cache): no loop, so no
-    # pipeline buffers in shared memory either.
+    # more than one tile (NUM_SPLITS * BLOCK_N covers the addressable cache): that tile is read
+    # as PRELOAD's is, and there is no loop, so no pipeline buffers in shared memory either.
     let_next_launch(PDL)
     b, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dtype = q_ptr.dtype.element_ty
@@ -80,21 +80,17 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
     tile = (index_ptr + b.to(tl.int64) * M, M, block_size, stride_blk, stride_row,
             h * stride_head, d, s_hi)
     first = s_lo
-    if PRELOAD:  # (held as the cache's codes across the wait: FP8 ones take half the registers)
+    if PRELOAD or ONE_TILE:  # held as the cache's codes across the wait (FP8: half the regs)
         k0, v0, valid0 = _cached_tile(kc_ptr, vc_ptr, tile, s_lo, D, BLOCK_N,
                                       kc_ptr.dtype.element_ty)
     wait_for_inputs(PDL)
     q = tl.load(q_ptr + (b * HQ + h * G + g[:, None]).to(tl.int64) * D + d[None, :],
                 mask=gd_mask, other=0.0)
-    if PRELOAD:  # the loop's first step (an empty split's tile is all -inf: no change)
+    if PRELOAD or ONE_TILE:  # the loop's first step (an empty split's tile is all -inf)
         m_i, l_i, acc = _tile_step(q, k0.to(dtype), v0.to(dtype), valid0, k_scale, m_i, l_i,
                                    acc, DOT_PREC)
         first = s_lo + BLOCK_N
-    if ONE_TILE:
-        if not PRELOAD:
-            k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, s_lo, D, BLOCK_N, dtype)
-            m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
-    else:
+    if not ONE_TILE:
         for j0 in range(first, s_hi, BLOCK_N):
             k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, j0, D, BLOCK_N, dtype)
             m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
@@ -270,8 +266,7 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
     fold = splits > 1 and cfg.get("fold_combine", _pdl.folded("combine"))
     tickets = sync_counters(q.device, b * hkv, "attention") if fold else out  # (unread)
     common = dict(HQ=hq, HKV=hkv, G=g, D=d, BLOCK_D=block_d, NUM_SPLITS=splits,
-                  ACT=TL_DTYPES[q.dtype],
-                  OUT_FP8=out.dtype == FP8_DTYPE, PDL=pdl)
+                  ACT=TL_DTYPES[q.dtype], OUT_FP8=out.dtype == FP8_DTYPE, PDL=pdl)
     _decode_split_kernel[(b, hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, q_start, hist_start, cache_index, k_scale, v_scale,
         part_o, part_m, part_l, gate, out, out_scale, tickets, k_new.stride(0), k_new.stride(1),

@@ -89,6 +89,11 @@ def folded(name: str) -> bool:
     return name in _CHAIN["links"]
 
 
+def decode_chain_links() -> tuple[str, ...]:
+    """The chain's links, folds and late triggers now (set_decode_chain takes them back)."""
+    return tuple(sorted(_CHAIN["links"]))
+
+
 def set_decode_chain(links=True) -> None:
     """The chain's links, folds and late triggers from now on: True (the default ones), "all"
     (LINKS + FOLDS), False (none) or some of LINKS + FOLDS + LATE (a captured CUDA graph keeps

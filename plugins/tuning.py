@@ -190,8 +190,8 @@ def _parse_config(family: str, raw, where: str):
         if name not in DECODE_CONFIG and name != "splits":
             raise TuningError(f"{where}: unknown {family} setting {name!r}")
         _positive_int(value, f"{where} {name}")
-        if name in DECODE_POW2 and value & (value - 1):  # (tile widths: tl.arange's)
-            raise TuningError(f"{where}: {name} must be a power of two, got {value}")
+        if name in DECODE_POW2:  # (tile widths: tl.arange's)
+            _power_of_two(value, where, name)
     return dict(raw)
 
 
@@ -206,8 +206,7 @@ def _gemm(raw, where: str) -> GemmConfig:
     for name in ("block_m", "block_n", "block_k", "num_warps", "group_m"):
         value = getattr(config, name)
         _positive_int(value, f"{where} {name}")
-        if value & (value - 1):
-            raise TuningError(f"{where}: {name} must be a power of two, got {value}")
+        _power_of_two(value, where, name)
     _positive_int(config.num_stages, f"{where} num_stages")
     if not isinstance(config.swap, bool):
         raise TuningError(f"{where}: swap must be true or false, got {config.swap!r}")
@@ -220,6 +219,11 @@ def _gemm(raw, where: str) -> GemmConfig:
 
 
 DECODE_POW2 = ("BLOCK_N", "BLOCK_N_SHORT", "combine_block_d")
+
+
+def _power_of_two(value: int, where: str, name: str) -> None:
+    if value & (value - 1):
+        raise TuningError(f"{where}: {name} must be a power of two, got {value}")
 
 
 def _positive_int(value, where: str) -> None:

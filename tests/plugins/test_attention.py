@@ -195,8 +195,9 @@ def test_decode_first_tile_read_before_the_wait_gives_the_same_bits(kind, kv_dty
 @pytest.mark.parametrize("kind", ["full", "sliding"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE])
 def test_decode_one_tile_splits_without_the_loop_give_the_same_bits(kind, kv_dtype):
-    """Splits that cover the cache in one tile each (ONE_TILE: no K/V loop, read before the
-    wait or after it) write the looping kernel's bits; with empty splits too."""
+    """Splits that cover the cache in one tile each (ONE_TILE: no K/V loop, the tile read
+    before the wait) write the looping kernel's bits, read before the wait or after it; with
+    empty splits too."""
     from plugins._attention_decode import launch_decode
 
     case = _decode_case(kind, kv_dtype, seed=9)
