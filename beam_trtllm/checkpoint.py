@@ -1,13 +1,19 @@
 """Hugging Face checkpoint layout for Beam: expected tensors, strict loading, sharded writing.
 
 A checkpoint is `config.json` plus either `model.safetensors` or shards
-`model-0000k-of-0000n.safetensors` listed in `model.safetensors.index.json`.
+`model-0000k-of-0000n.safetensors` listed in `model.safetensors.index.json`. Names are those
+transformers' `BeamForCausalLM.save_pretrained` writes (shared/BEAM_SPEC.md "Weights on disk").
+Experts come per expert (what transformers saves) or fused (`mlp.experts.gate_up_proj`
+[E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I], as vLLM and SGLang also
+read them); a fused checkpoint is seen through per-expert *views* (`fused_expert_views`), so
+every reader downstream handles one layout. Float tensors may be FP32, BF16 or FP16.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -19,6 +25,11 @@ from .config import BeamConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_V1_GATE = re.compile(r"^model\.layers\.\d+\.self_attn\.g_proj\.weight$")
+
+Infos = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class CheckpointError(ValueError):
@@ -38,7 +49,8 @@ def expected_tensors(cfg: BeamConfig) -> dict[str, tuple[tuple[int, ...], torch.
         out[p + "self_attn.q_proj.weight"] = ((cfg.q_size, h), bf16)
         out[p + "self_attn.k_proj.weight"] = ((cfg.kv_size, h), bf16)
         out[p + "self_attn.v_proj.weight"] = ((cfg.kv_size, h), bf16)
-        out[p + "self_attn.g_proj.weight"] = ((cfg.num_attention_heads, h), bf16)
+        out[p + "self_attn.gate_proj.weight"] = ((cfg.q_size, h), bf16)
+        out[p + "self_attn.gate_bias"] = ((cfg.num_attention_heads,), bf16)
         out[p + "self_attn.q_norm.weight"] = ((d,), bf16)
         out[p + "self_attn.k_norm.weight"] = ((d,), bf16)
         out[p + "self_attn.o_proj.weight"] = ((h, cfg.q_size), bf16)
@@ -46,9 +58,9 @@ def expected_tensors(cfg: BeamConfig) -> dict[str, tuple[tuple[int, ...], torch.
         out[p + "pre_feedforward_layernorm.weight"] = ((h,), bf16)
         out[p + "post_feedforward_layernorm.weight"] = ((h,), bf16)
         if cfg.is_moe(i):
-            out[p + "mlp.gate.weight"] = ((cfg.n_routed_experts, h), fp32)
-            out[p + "mlp.gate.e_score_correction_bias"] = ((cfg.n_routed_experts,), fp32)
-            for e in range(cfg.n_routed_experts):
+            out[p + "mlp.gate.weight"] = ((cfg.num_experts, h), fp32)
+            out[p + "mlp.gate.e_score_correction_bias"] = ((cfg.num_experts,), fp32)
+            for e in range(cfg.num_experts):
                 out.update(_mlp(f"{p}mlp.experts.{e}.", h, cfg.moe_intermediate_size))
         else:
             out.update(_mlp(p + "mlp.", h, cfg.intermediate_size))
@@ -66,10 +78,55 @@ def _mlp(prefix: str, hidden: int, inner: int):
     }
 
 
-def check_state_dict(
-    cfg: BeamConfig, found: dict[str, tuple[tuple[int, ...], torch.dtype]], where: str = "checkpoint"
-) -> None:
-    """Refuse a missing, extra or mis-shaped tensor, naming it (dtype is cast on load)."""
+def is_v1_checkpoint(names: Iterable[str]) -> str | None:
+    """The first v1 tensor name (beam-trt's pre-canonical per-head `g_proj` gate), or None."""
+    return next((n for n in names if _V1_GATE.match(n)), None)
+
+
+def v1_error(where: str, name: str) -> str:
+    return (f"{where}: tensor {name} is the per-head g_proj gate of beam-trt's pre-canonical "
+            "Beam (v1), which no published checkpoint has: canonical Beam has "
+            "self_attn.gate_proj.weight [Hq*D, H] and self_attn.gate_bias [Hq]. Re-create the "
+            "checkpoint with transformers' BeamForCausalLM or a current `beam-trt init-tiny`")
+
+
+def fused_expert_views(infos: Infos) -> dict[str, tuple[str, int, int, int]]:
+    """Per-expert names of fused expert tensors: view name -> (fused name, expert, first row,
+    row count). gate_up_proj [E, 2I, H] holds expert e's gate rows [0, I) then up rows [I, 2I)."""
+    views: dict[str, tuple[str, int, int, int]] = {}
+    for name, (shape, _) in infos.items():
+        m = _FUSED.match(name)
+        if not m or len(shape) != 3:
+            continue
+        prefix, kind = m.groups()
+        for e in range(shape[0]):
+            if kind == "down_proj":
+                views[f"{prefix}.{e}.down_proj.weight"] = (name, e, 0, shape[1])
+            else:
+                inner = shape[1] // 2
+                views[f"{prefix}.{e}.gate_proj.weight"] = (name, e, 0, inner)
+                views[f"{prefix}.{e}.up_proj.weight"] = (name, e, inner, inner)
+    return views
+
+
+def with_views(infos: Infos) -> Infos:
+    """`infos` with every fused expert tensor replaced by its per-expert views."""
+    views = fused_expert_views(infos)
+    out = {n: v for n, v in infos.items() if not _FUSED.match(n) or len(v[0]) != 3}
+    for view, (src, _, _, rows) in views.items():
+        shape, dtype = infos[src]
+        out[view] = ((rows, shape[2]), dtype)
+    return out
+
+
+def check_state_dict(cfg: BeamConfig, found: Infos, where: str = "checkpoint",
+                     check_dtypes: bool = True) -> None:
+    """Refuse a v1, missing, extra, mis-shaped or non-float tensor, naming it (the float dtype
+    is cast on load). `found` may hold fused experts; they are checked through their views."""
+    v1 = is_v1_checkpoint(found)
+    if v1:
+        raise CheckpointError(v1_error(where, v1))
+    found = with_views(found)
     expected = expected_tensors(cfg)
     missing = [k for k in expected if k not in found]
     if missing:
@@ -83,19 +140,21 @@ def check_state_dict(
         if tuple(found[name][0]) != shape:
             raise CheckpointError(
                 f"{where}: tensor {name} has shape {list(found[name][0])}, "
-                f"config.json implies {list(shape)}"
-            )
+                f"config.json implies {list(shape)}")
+        if check_dtypes and found[name][1] not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where}: tensor {name} has dtype {found[name][1]}; an "
+                                  "unquantized Beam checkpoint holds FP32, BF16 or FP16 tensors")
 
 
 # ---------------------------------------------------------------------------- reading
 def weight_map(ckpt_dir: str | Path) -> dict[str, Path]:
-    """tensor name -> safetensors file, from the index (sharded) or the single file."""
+    """tensor name -> safetensors file (as stored), from the index or the single file."""
     ckpt_dir = Path(ckpt_dir)
     index = ckpt_dir / INDEX_NAME
     if index.is_file():
         try:
             mapping = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
         files = {name: ckpt_dir / fname for name, fname in mapping.items()}
         for path in sorted(set(files.values())):
@@ -116,23 +175,6 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
 
 
-def tensor_infos(ckpt_dir: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) from the file headers, reading no tensor data."""
-    by_file: dict[Path, list[str]] = {}
-    for name, path in weight_map(ckpt_dir).items():
-        by_file.setdefault(path, []).append(name)
-    infos = {}
-    for path, names in by_file.items():
-        with _open(path) as f:
-            present = set(f.keys())
-            for name in names:
-                if name not in present:
-                    raise CheckpointError(f"{path}: index lists {name} but the file lacks it")
-                sl = f.get_slice(name)
-                infos[name] = (tuple(sl.get_shape()), _dtype(sl.get_dtype(), path, name))
-    return infos
-
-
 _ST_DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32,
@@ -146,28 +188,76 @@ def _dtype(name: str, path: Path, tensor: str) -> torch.dtype:
     return _ST_DTYPES[name]
 
 
+class SafetensorsCheckpoint:
+    """Lazy access to a checkpoint's tensors by name, fused experts seen as per-expert views.
+    `infos` holds (shape, dtype) of every tensor from the headers; `get` reads one tensor."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        self.dir = Path(ckpt_dir)
+        self.files = weight_map(self.dir)
+        self._handles: dict[Path, object] = {}
+        stored = self._stored_infos()
+        self.views = fused_expert_views(stored)
+        self.stored = stored
+        self.infos = with_views(stored)
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = _open(path)
+        return self._handles[path]
+
+    def _stored_infos(self) -> Infos:
+        by_file: dict[Path, list[str]] = {}
+        for name, path in self.files.items():
+            by_file.setdefault(path, []).append(name)
+        infos = {}
+        for path, names in by_file.items():
+            f = self._handle(path)
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"{path}: index lists {name} but the file lacks it")
+                sl = f.get_slice(name)
+                infos[name] = (tuple(sl.get_shape()), _dtype(sl.get_dtype(), path, name))
+        return infos
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        return self.infos[name][1] if name in self.infos else None
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.infos:
+            raise CheckpointError(f"{self.dir}: missing tensor {name}")
+        src, expert, row, rows = self.views.get(name, (name, None, 0, 0))
+        path = self.files[src]
+        try:
+            if expert is None:
+                return self._handle(path).get_tensor(name)
+            return self._handle(path).get_slice(src)[expert, row:row + rows].contiguous()
+        except SafetensorError as exc:  # truncated data is only found on read
+            raise CheckpointError(f"{path}: cannot read tensor {src} ({exc})") from exc
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def tensor_infos(ckpt_dir: str | Path) -> Infos:
+    """name -> (shape, dtype) from the file headers (fused experts as views), no tensor data."""
+    return SafetensorsCheckpoint(ckpt_dir).infos
+
+
 def iter_tensors(ckpt_dir: str | Path, names: Iterable[str] | None = None) -> Iterator:
-    """Yield (name, tensor) lazily, one file open at a time, in index order."""
-    files = weight_map(ckpt_dir)
-    wanted = list(files) if names is None else list(names)
-    by_file: dict[Path, list[str]] = {}
-    for name in wanted:
-        if name not in files:
-            raise CheckpointError(f"{ckpt_dir}: missing tensor {name}")
-        by_file.setdefault(files[name], []).append(name)
-    for path, group in by_file.items():
-        with _open(path) as f:
-            for name in group:
-                try:
-                    yield name, f.get_tensor(name)
-                except SafetensorError as exc:  # truncated data is only found on read
-                    raise CheckpointError(f"{path}: cannot read tensor {name} ({exc})") from exc
+    """Yield (name, tensor) lazily in index order (fused experts as per-expert views)."""
+    ckpt = SafetensorsCheckpoint(ckpt_dir)
+    for name in list(ckpt.infos) if names is None else list(names):
+        yield name, ckpt.get(name)
 
 
 def load_state_dict(ckpt_dir: str | Path, cfg: BeamConfig) -> dict[str, torch.Tensor]:
-    """Validated full state dict of a BF16 checkpoint (names and shapes checked before reading)."""
-    check_state_dict(cfg, tensor_infos(ckpt_dir), where=str(ckpt_dir))
-    return dict(iter_tensors(ckpt_dir))
+    """Validated full state dict of an unquantized checkpoint, per-expert names, as stored
+    (FP32, BF16 or FP16; names and shapes checked before any tensor is read)."""
+    ckpt = SafetensorsCheckpoint(ckpt_dir)
+    check_state_dict(cfg, ckpt.stored, where=str(ckpt_dir))
+    return {name: ckpt.get(name) for name in ckpt.infos}
 
 
 # ---------------------------------------------------------------------------- writing

@@ -36,6 +36,8 @@ def info_cmd(ckpt_dir, preset_name, context, kv_dtype, as_json):
         cfg = preset(preset_name) if preset_name else BeamConfig.from_hf(ckpt_dir)
     except ConfigError as exc:
         raise BeamCLIError(str(exc)) from exc
+    if cfg.report_unknown():
+        click.echo(f"warning: {cfg.report_unknown()}", err=True)
     r = report(cfg, context, kv_dtype)
     click.echo(json.dumps(r, indent=2) if as_json else format_report(r))
 
@@ -59,8 +61,12 @@ def init_tiny_cmd(out_dir, seed):
 @click.option("--max-batch", default=8, show_default=True, help="Concurrent sequences.")
 @click.option("--max-seq-len", default=4096, show_default=True, help="Prompt + generated tokens.")
 @click.option("--max-num-tokens", default=512, show_default=True, help="Tokens per step.")
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default=None,
-              help="KV cache dtype [default: fp8 if the checkpoint has KV scales, else bf16].")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp32", "fp8"]), default=None,
+              help="KV cache dtype [default: fp8 if the checkpoint has KV scales, else the "
+              "activations' dtype].")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+              show_default=True, help="Activations and unquantized weights (float32: a CPU "
+              "engine for numerics checks against the FP32 model).")
 @click.option("--kv-memory", type=float, default=None,
               help="GiB for the KV cache [default: room for --max-batch x --max-seq-len].")
 @click.option("--block-size", default=32, show_default=True, help="Tokens per KV block.")
@@ -70,7 +76,7 @@ def init_tiny_cmd(out_dir, seed):
               "build if this machine has it, else at the first load); quick: fewer candidates.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing ENGINE_DIR.")
 def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_tokens, kv_dtype,
-              kv_memory, block_size, cuda_graph_batch_sizes, autotune, overwrite):
+              dtype, kv_memory, block_size, cuda_graph_batch_sizes, autotune, overwrite):
     """Build an engine dir (repacked weights, KV plan, tokenizer) from a converted checkpoint."""
     from .checkpoint import CheckpointError
     from .engine.build import build_engine
@@ -85,7 +91,7 @@ def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_toke
         opts = BuildOptions(target=target, max_batch=max_batch, max_seq_len=max_seq_len,
                             max_num_tokens=max_num_tokens, kv_dtype=kv_dtype,
                             kv_memory_gib=kv_memory, block_size=block_size,
-                            cuda_graph_batch_sizes=sizes, autotune=autotune)
+                            cuda_graph_batch_sizes=sizes, autotune=autotune, dtype=dtype)
         build_engine(ckpt_dir, engine_dir, opts, progress=click.echo, overwrite=overwrite)
     except (EngineError, ConfigError, CheckpointError) as exc:
         raise BeamCLIError(str(exc)) from exc
@@ -103,12 +109,13 @@ def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_toke
 @click.option("--stop", multiple=True, help="Stop string (repeatable; engine dirs only).")
 def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop):
     """Generate text, streaming: with the engine for an engine dir (from `beam-trt build`),
-    with the plain-PyTorch reference model (CPU) for a checkpoint dir."""
+    with transformers' BeamForCausalLM (FP32, CPU) for an unquantized checkpoint dir."""
     if (model_dir / "engine.json").is_file():
         _generate_engine(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop)
     else:
         if stop:
-            raise BeamCLIError("--stop needs an engine dir (the reference path has no stop strings)")
+            raise BeamCLIError("--stop needs an engine dir (the transformers path has no stop "
+                               "strings)")
         _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed)
 
 
@@ -141,25 +148,28 @@ def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, to
     import torch
 
     from .checkpoint import CheckpointError
-    from .reference import BeamForCausalLM
+    from .hf_model import load_model, stream
     from .tokenizer import TextTokenizer
 
     try:
-        model = BeamForCausalLM.from_pretrained(model_dir)
+        cfg = BeamConfig.from_hf(model_dir)
+        model = load_model(model_dir, torch.float32)
         tok = TextTokenizer(model_dir)
     except (ConfigError, CheckpointError, FileNotFoundError) as exc:
         raise BeamCLIError(str(exc)) from exc
+    if cfg.report_unknown():
+        click.echo(f"warning: {cfg.report_unknown()}", err=True)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = tok.encode(text)
     if not ids:
         raise BeamCLIError("the prompt encodes to zero tokens")
-    eos = model.config.eos_token_id
+    eos = cfg.eos_token_id
     eos_ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
     click.echo(text, nl=False)
     new: list[int] = []
     shown = ""
-    for token in model.stream(torch.tensor([ids]), max_new_tokens, temperature, top_k, top_p,
-                              seed, eos_ids):
+    for token in stream(model, torch.tensor([ids]), max_new_tokens, temperature, top_k, top_p,
+                        seed, eos_ids):
         new.append(int(token[0]))
         text_now = tok.decode(new)
         click.echo(text_now[len(shown):], nl=False)
@@ -187,7 +197,8 @@ def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, to
               help="Max output shard size in MB (--format hf).")
 def convert_cmd(in_dir, out_dir, quant, kv_cache, fmt, tp, ep, calib_data, calib_samples,
                 calib_seq_len, device, workers, shard_size_mb):
-    """Quantize a BF16 Beam checkpoint to ModelOpt FP8 / NVFP4 (streamed, resumable)."""
+    """Quantize a Beam checkpoint (FP32, BF16 or FP16) to ModelOpt FP8 / NVFP4 (streamed,
+    resumable)."""
     import os
 
     from convert import ConvertError
@@ -205,12 +216,13 @@ def convert_cmd(in_dir, out_dir, quant, kv_cache, fmt, tp, ep, calib_data, calib
 @main.command("verify")
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--against", "against", type=click.Path(path_type=Path), default=None,
-              help="The BF16 input: per-tensor dequantization error and logits KL / top-1.")
+              help="The input checkpoint: per-tensor dequantization error and logits KL / "
+              "top-1 (transformers' model on both).")
 @click.option("--max-model-gb", default=4.0, show_default=True,
               help="Run the logits comparison only for models up to this size (BF16).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify_cmd(out_dir, against, max_model_gb, as_json):
-    """Check a converted checkpoint: hashes, dequantization error, logits against BF16."""
+    """Check a converted checkpoint: hashes, dequantization error, logits against its input."""
     from convert import ConvertError
     from convert.verification import format_report, verify
 

@@ -8,11 +8,12 @@ GIB = 1 << 30
 
 # Bytes per parameter of each weight class under the three checkpoint precisions that
 # `beam-trt convert` writes (recipes fp8 and nvfp4): NVFP4 = 4-bit values + one FP8 scale
-# per 16; the router stays FP32 and embeddings, lm_head, g_proj and norms stay BF16.
+# per 16 (recipe nvfp4 keeps the attention projections, gate_proj included, in FP8); the
+# router stays FP32 and embeddings, lm_head, norms and gate_bias stay BF16.
 _BYTES = {
-    "bf16": {"experts": 2, "dense_mlp": 2, "attn_qkvo": 2},
-    "fp8": {"experts": 1, "dense_mlp": 1, "attn_qkvo": 1},
-    "nvfp4": {"experts": 0.5625, "dense_mlp": 0.5625, "attn_qkvo": 1},
+    "bf16": {"experts": 2, "dense_mlp": 2, "attn_proj": 2},
+    "fp8": {"experts": 1, "dense_mlp": 1, "attn_proj": 1},
+    "nvfp4": {"experts": 0.5625, "dense_mlp": 0.5625, "attn_proj": 1},
 }
 
 
@@ -20,14 +21,13 @@ def param_classes(cfg: BeamConfig) -> dict[str, int]:
     """Parameter count per weight class (they add up to cfg.total_params)."""
     h, n_layers = cfg.hidden_size, cfg.num_hidden_layers
     n_moe = len(cfg.moe_layers)
-    qkvo = 2 * h * cfg.q_size + 2 * h * cfg.kv_size
+    projections = 3 * h * cfg.q_size + 2 * h * cfg.kv_size  # q, gate, o; k, v
     counts = {
         "embed_lm_head": 2 * cfg.vocab_size * h,
-        "attn_qkvo": n_layers * qkvo,
-        "g_proj": n_layers * h * cfg.num_attention_heads,
-        "norms": n_layers * (4 * h + 2 * cfg.head_dim) + h,
+        "attn_proj": n_layers * projections,
+        "norms_gate_bias": n_layers * (4 * h + 2 * cfg.head_dim + cfg.num_attention_heads) + h,
         "dense_mlp": len(cfg.dense_layers) * cfg.dense_mlp_params,
-        "experts": n_moe * cfg.n_routed_experts * cfg.expert_params,
+        "experts": n_moe * cfg.num_experts * cfg.expert_params,
         "router": n_moe * cfg.router_params,
     }
     assert sum(counts.values()) == cfg.total_params
@@ -56,7 +56,7 @@ def report(cfg: BeamConfig, context: int, kv_dtype: str) -> dict:
         "active_params": cfg.active_params,
         "layers": cfg.num_hidden_layers,
         "dense_layers": list(cfg.dense_layers),
-        "moe_layers": [cfg.moe_layers[0], cfg.moe_layers[-1]] if cfg.moe_layers else [],
+        "moe_layers": list(cfg.moe_layers),
         "full_layers": list(cfg.full_layers),
         "sliding_layers": list(cfg.sliding_layers),
         "layer_map": layer_map(cfg),
@@ -85,7 +85,15 @@ def _count(n: int) -> str:
 
 
 def _ranges(idx: list[int]) -> str:
-    return ", ".join(str(i) for i in idx) if idx else "-"
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8" (any pattern: Beam's mlp_layer_types need not be a
+    prefix of dense layers)."""
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) if runs else "-"
 
 
 def format_report(r: dict) -> str:
@@ -93,7 +101,7 @@ def format_report(r: dict) -> str:
         f"parameters      total {_count(r['total_params'])}   active {_count(r['active_params'])}"
         f"   ({r['total_params']:,} / {r['active_params']:,})",
         f"layers          {r['layers']}: dense {_ranges(r['dense_layers'])}; "
-        f"moe {r['moe_layers'][0]}..{r['moe_layers'][1]}" if r["moe_layers"] else "",
+        f"moe {_ranges(r['moe_layers'])}",
         f"full attention  {_ranges(r['full_layers'])}",
         f"sliding window  {len(r['sliding_layers'])} layers",
         "layer map       " + " ".join(

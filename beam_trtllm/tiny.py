@@ -39,6 +39,8 @@ def random_tensor(cfg: BeamConfig, name: str, shape, dtype, seed: int) -> torch.
         value = normal * LOGIT_STD / cfg.hidden_size**0.5
     elif name.endswith("e_score_correction_bias"):
         value = 0.05 * normal
+    elif name.endswith("self_attn.gate_bias"):  # nonzero, so a test sees a dropped bias
+        value = 0.5 * normal
     else:  # projections and the router: fan_in is the last dim
         value = normal / shape[-1] ** 0.5
     return value.to(dtype)
@@ -60,7 +62,7 @@ def init_tiny(out_dir: str | Path, seed: int = 0, cfg: BeamConfig | None = None,
     ids = write_tokenizer_files(out, cfg.vocab_size, cfg.max_position_embeddings)
     eos = [ids[IM_END], ids[END_OF_TEXT]]
     cfg = cfg.replace(bos_token_id=ids[END_OF_TEXT], eos_token_id=eos, pad_token_id=ids[PAD])
-    (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    (out / "config.json").write_text(json.dumps(cfg.to_hf(dtype="bfloat16"), indent=2))
     generation = {
         "bos_token_id": ids[END_OF_TEXT],
         "eos_token_id": eos,

@@ -44,9 +44,10 @@ MB = 1e6
 
 def bench_config(layers: int) -> BeamConfig:
     """Beam-1.0 shapes for every Linear, 16 experts a layer, a small vocabulary."""
-    return BeamConfig(vocab_size=512, num_hidden_layers=layers, first_k_dense_replace=0,
-                      n_routed_experts=16, n_group=8, topk_group=4, num_experts_per_tok=8,
-                      layer_types=tuple(["sliding_attention"] * layers))
+    return BeamConfig(vocab_size=512, num_hidden_layers=layers, num_experts=16, n_group=8,
+                      topk_group=4, num_experts_per_tok=8,
+                      layer_types=tuple(["sliding_attention"] * layers),
+                      mlp_layer_types=tuple(["sparse"] * layers))
 
 
 def int_weight(shape, seed: int, device="cpu") -> torch.Tensor:
@@ -135,7 +136,7 @@ def modelopt_rates(src: Path, count: int = 4) -> dict:
     from convert.inputs import InputCheckpoint
 
     ckpt = InputCheckpoint(src)
-    names = [n for n in ckpt.where if n.endswith("experts.0.gate_proj.weight")][:1]
+    names = [n for n in ckpt.sources if n.endswith("experts.0.gate_proj.weight")][:1]
     names += [n.replace("experts.0.", f"experts.{e}.") for n in names for e in range(1, count)]
     weights = [ckpt.read(n) for n in names]
     nbytes = sum(w.numel() * 2 for w in weights)

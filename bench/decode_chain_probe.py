@@ -108,7 +108,7 @@ def cases(cfg):
         hs, y_slots, wn, wn, xs, 0.9, 0.4, eps, y_w)
     yield "add_rmsnorm, 8 weighted slots", lambda c=0: torch.ops.beam.add_rmsnorm(
         hs, y_slots, wn, wn, 0.9, 0.4, eps, y_w)
-    e = cfg.n_routed_experts
+    e = cfg.num_experts
     rws = [torch.randn(e, h, device=DEV) / h**0.5 * 2 for _ in range(COPIES)]
     rb = 0.05 * torch.randn(e, device=DEV)
     yield "group_router T=1", lambda c=0: torch.ops.beam.group_router(

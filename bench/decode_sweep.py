@@ -99,8 +99,7 @@ def sweep_linear(cfg, ceil, fmt="fp8", split=1):
     sums' launch, whose reduction the consumer does as it reads them."""
     h, out = cfg.hidden_size, {}
     q_out = cfg.num_attention_heads * cfg.head_dim
-    shapes = {"qkv": (q_out + 2 * cfg.num_key_value_heads * cfg.head_dim, h),
-              "o_proj": (h, q_out)}
+    shapes = {"qkvg": (cfg.qkv_gate_size, h), "o_proj": (h, q_out)}
     tiles = LINEAR_TILES if split == 1 else [(64, 4), (32, 2)]
     kw = {"split_k": split} if split > 1 else {}
     for name, (n, k) in shapes.items():

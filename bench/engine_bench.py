@@ -44,6 +44,7 @@ from engine_bench_layers import (  # noqa: E402
 from engine_bench_model import (  # noqa: E402
     bench_config, decode_bytes, make_engine, prefill_flops,
 )
+from engine_bench_peer import peer_layer_ms  # noqa: E402
 
 from beam_trtllm.engine.batch import build_step  # noqa: E402
 from beam_trtllm.engine.types import SamplingParams  # noqa: E402
@@ -108,8 +109,27 @@ def prefill(engine, seqs: int, seq_len: int, device, iters: int) -> tuple[list, 
                 if it:
                     per_layer[i].append(ms)
         logits = model.logits(x, s)
+        kernels = prefill_kernels(model, s, device) if device.type == "cuda" else None
     engine._after_forward(chunks, logits)  # commit the KV and sample the first tokens
-    return chunks, [statistics.median(t) for t in per_layer]
+    return chunks, [statistics.median(t) for t in per_layer], kernels
+
+
+def prefill_kernels(model, s, device, layer: int = 1) -> list[tuple[str, float]]:
+    """Layer `layer`'s prefill kernels (torch profiler, one forward after the timed ones):
+    (name, ms) in launch order; where the prefill's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    h = torch.nn.functional.embedding(s.input_ids, model.embed)
+    x, xq = model.input_norm(h)
+    for i in range(layer):
+        h, x, xq = model.layer(i, h, x, xq, s)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.layer(layer, h, x, xq, s)
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    return [(e.name[:60], e.time_range.elapsed_us() / 1e3) for e in events]
 
 
 def decode_throughput(engine, batch: int, prompt_len: int, steps: int, device) -> dict:
@@ -164,7 +184,7 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     pre = section(res, "prefill 8x2K", lambda: prefill(engine, seqs, seq_len, device, iters=2))
     if pre is None:
         return res
-    chunks, prefill_ms = pre
+    chunks, prefill_ms, res["prefill_kernels_layer1"] = pre
     batch1 = decode_chunks(engine, chunks)
     decode = section(res, "per-layer decode graphs", lambda: decode_layers(engine, batch1, device, 200))
     decode_ms, chained_ms = decode if decode else (None, None)
@@ -177,9 +197,8 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
                                             lambda i=i: graph_timeline(engine, batch1, device, i))
     launches = section(res, "launch count", lambda: count_launches(engine, batch1, device))
     for i in range(cfg.num_hidden_layers):
-        base = fmt.removesuffix("+gate")
-        nbytes = decode_bytes(cfg, base, i, context=seq_len)
-        flops = prefill_flops(cfg, base, i, seqs, seq_len)
+        nbytes = decode_bytes(cfg, fmt, i, context=seq_len)
+        flops = prefill_flops(cfg, fmt, i, seqs, seq_len)
         floor_prefill = sum(flops[u] / ceilings[f"{u}_TFLOPs"] for u in flops) / 1e9
         res["layers"].append({
             "layer": i, "kind": ("full" if cfg.is_full(i) else "sliding") + (" MoE" if cfg.is_moe(i) else " dense"),
@@ -236,10 +255,30 @@ def throughput_ab(engine, device, variants: str, rounds: int, batch: int = 64) -
     return out
 
 
+def print_peer(peer: dict, results: list[dict]) -> None:
+    if "error" in peer:
+        print(f"\npeer (torch.compile + CUDA graphs): FAILED {peer['error']}")
+        return
+    graph = "one graph" if peer.get("fullgraph") else "with graph breaks"
+    print(f"\npeer: transformers BF16, torch.compile({peer['compile_mode']}, {graph}) + CUDA graphs, "
+          f"static cache, {peer['experts']} experts, batch 1 at {peer['context']} context: "
+          f"whole 4-layer step {peer['step_4']:.3f} ms, 1-layer step {peer['step_1']:.3f} ms, "
+          f"{peer['per_moe_layer']:.4f} ms per MoE layer {peer['note']}")
+    for r in results:
+        moe = [l.get("decode_chained_ms") for l in r.get("layers", []) if "MoE" in l["kind"]]
+        if moe and all(moe):
+            mean = sum(moe) / len(moe)
+            print(f"  {r['format']} engine: {mean:.4f} ms per MoE layer (chained graph), "
+                  f"{peer['per_moe_layer'] / mean:.2f}x faster than the peer")
+
+
 def print_table(results: list[dict], ceilings: dict) -> None:
     print(f"\nceilings: copy {ceilings['copy_GBps']:.0f} GB/s, BF16 {ceilings['bf16_TFLOPs']:.0f} "
           f"TFLOP/s, FP8 {ceilings['fp8_TFLOPs']:.0f} TFLOP/s, FP32 {ceilings['fp32_TFLOPs']:.0f} TFLOP/s")
     for r in results:
+        if "peer" in r:
+            print_peer(r["peer"], results)
+            continue
         if "error" in r:
             print(f"\n{r['format']}: FAILED {r['error']}")
             continue
@@ -270,6 +309,8 @@ def print_table(results: list[dict], ceilings: dict) -> None:
         for d in r.get("throughput_ab") or []:
             print(f"throughput A/B round {d['round']} {d['chain']}: batch {d['batch']} "
                   f"{d['step_ms']:.3f} ms/step")
+        for name, ms in r.get("prefill_kernels_layer1") or []:
+            print(f"    layer 1 prefill kernel {ms:8.3f} ms  {name}")
         for d in r.get("decode", []):
             print(f"decode batch {d['batch']}: {d['step_ms']:.3f} ms/step, {d['tokens_per_s']:.0f} tok/s "
                   f"({d['graph_steps']}/{d['steps']} steps in CUDA graphs)")
@@ -278,9 +319,8 @@ def print_table(results: list[dict], ceilings: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="fp8,nvfp4",
-                    help="fp8, nvfp4; a '+gate' suffix also quantizes the output gate into the "
-                         "FP8 q/k/v GEMM (a what-if: the shipped recipes keep it BF16, which "
-                         "the engine now computes inside qk_prep)")
+                    help="fp8, nvfp4 (attention FP8 in both, as the shipped recipes), bf16 "
+                         "(unquantized; the format of the --peer comparison)")
     ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
     ap.add_argument("--chain-ab", default="", metavar="VARIANTS",
                     help="also time the layers under these decode-chain variants, alternating "
@@ -302,6 +342,10 @@ def main() -> None:
                     help="layers whose kernels are profiled inside the chained graph")
     ap.add_argument("--skip-throughput", action="store_true",
                     help="no whole-model decode throughput (batch 1 and 64)")
+    ap.add_argument("--peer", action="store_true",
+                    help="also time the torch.compile + CUDA-graph peer (transformers' model, "
+                         "BF16, static cache, grouped-GEMM experts) per MoE layer at batch-1 "
+                         "decode; compare with --formats bf16 (about 2 min on the H200)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     from plugins import _pdl
@@ -326,7 +370,23 @@ def main() -> None:
             Path(out, "engine_bench.json").write_text(json.dumps(
                 {"ceilings": ceilings, "results": results, "device": dev}, indent=1))
         print_table(results[-1:], ceilings)
+    if args.peer:
+        peer = run_peer(args, device)
+        results.append({"format": "peer", "peer": peer})
+        if out:
+            Path(out, "engine_bench.json").write_text(json.dumps(
+                {"ceilings": ceilings, "results": results}, indent=1))
     print_table(results, ceilings)
+
+
+def run_peer(args, device) -> dict:
+    cfg = bench_config(args.smoke)
+    try:
+        return peer_layer_ms(cfg, device, context=2048 if not args.smoke else 40,
+                             steps=48 if not args.smoke else 4)
+    except Exception as exc:  # noqa: BLE001  (the engine's numbers stand without it)
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 if __name__ == "__main__":

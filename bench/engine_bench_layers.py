@@ -202,7 +202,8 @@ def chain_ab(engine, step_chunks, device, variants: str, rounds: int,
     them standing for the default links; variants separated by ";"),
     alternating, `rounds` times each (same process, same weights: an A/B within one lease).
     A variant may end in "|KEY=VALUE/KEY=VALUE": integer overrides of the decode attention's
-    DECODE_CONFIG (plugins/_attention_decode.py) for that variant. In the first round each
+    DECODE_CONFIG (plugins/_attention_decode.py) for that variant, batch-1 moe_fp8 shapes
+    (moe13, moe2) or linear_fp8's few-token tiles (split, wide: "BM,BN,BK,WARPS,STAGES"). In the first round each
     variant also profiles `timeline_layers` (graph_timeline)."""
     from plugins import _attention_decode, _pdl
 
@@ -215,6 +216,7 @@ def chain_ab(engine, step_chunks, device, variants: str, rounds: int,
                 _pdl.set_decode_chain(chain_links(chain))
                 pairs = dict(kv.split("=") for kv in overrides.split("/") if kv)
                 moe = {k: pairs.pop(k) for k in ("moe13", "moe2") if k in pairs}
+                _set_decode_tiles({k: pairs.pop(k) for k in ("split", "wide") if k in pairs})
                 _attention_decode.DECODE_CONFIG.clear()
                 _attention_decode.DECODE_CONFIG.update(
                     saved, **{key: int(val) for key, val in pairs.items()})
@@ -230,7 +232,20 @@ def chain_ab(engine, step_chunks, device, variants: str, rounds: int,
         _attention_decode.DECODE_CONFIG.clear()
         _attention_decode.DECODE_CONFIG.update(saved)
         _tune_batch1_moe(engine.cfg, {})
+        _set_decode_tiles({})
     return out
+
+
+def _set_decode_tiles(shapes: dict) -> None:
+    """linear_fp8's few-token tiles ("split" / "wide": "BM,BN,BK,WARPS,STAGES", weights on
+    the MMA's M side) for one --chain-ab variant; none: the shipped ones."""
+    from plugins import linear_fp8
+    from plugins._moe_common import GemmConfig
+
+    linear_fp8.DECODE_TILES.update(split=linear_fp8.SPLIT_CONFIG, wide=linear_fp8.WIDE_CONFIG)
+    for name, spec in shapes.items():
+        bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
+        linear_fp8.DECODE_TILES[name] = GemmConfig(bm, bn, bk, warps, stages, swap=True)
 
 
 def _tune_batch1_moe(cfg, shapes: dict) -> None:
@@ -239,7 +254,7 @@ def _tune_batch1_moe(cfg, shapes: dict) -> None:
     from plugins import tuning
     from plugins._moe_common import GemmConfig
 
-    key = ("moe_fp8", tuning.bucket(cfg.num_experts_per_tok), cfg.n_routed_experts,
+    key = ("moe_fp8", tuning.bucket(cfg.num_experts_per_tok), cfg.num_experts,
            cfg.moe_intermediate_size, cfg.hidden_size)
     tuning._TABLE.pop(key, None)
     if shapes:

@@ -125,7 +125,7 @@ def bench_norms(cfg, ceil):
 # ----------------------------------------------------------------------------- qk_prep
 def bench_qk_prep(cfg, ceil):
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    width = hq * d + 2 * hkv * d + hq
+    width = 2 * hq * d + 2 * hkv * d  # q, k, v, gate
     for t, full in ((SIZES["tokens"], True), (SIZES["tokens"], False), (64, True)):
         qkvg = torch.randn(t, width, device=DEV, dtype=BF16)
         pos = torch.randint(0, 1 << 20, (t,), device=DEV)
@@ -134,13 +134,14 @@ def bench_qk_prep(cfg, ceil):
         v_cache = torch.zeros_like(k_cache)
         slots = torch.randperm(k_cache.shape[0] * 64, device=DEV)[:t]
         one = torch.ones((), device=DEV)
-        args = (qkvg, pos, w, w, k_cache, v_cache, slots, one, one, full, cfg.rms_norm_eps,
-                cfg.rope_theta, cfg.ssmax_base, cfg.ssmax_exponent)
+        gate_bias = 0.5 * torch.randn(hq, device=DEV, dtype=BF16)
+        args = (qkvg, pos, w, w, gate_bias, k_cache, v_cache, slots, one, one, full,
+                cfg.rms_norm_eps, cfg.rope_theta)
         got = torch.ops.beam.qk_prep(*args)
         want = ref_qk_prep(*args)
         check = f"q rel {rel_err(got[0], want[0]):.1e}, k rel {rel_err(got[1], want[1]):.1e}"
-        # read qkvg; write q, k, v, gate and the cache rows
-        work = t * (width * 2 + (hq + 2 * hkv) * d * 2 + hq * 4 + 2 * hkv * d * 2)
+        # read qkvg; write q, k, v, the gate and the cache rows
+        work = t * (width * 2 + (2 * hq + 2 * hkv) * d * 2 + 2 * hkv * d * 2)
         small = t <= 64  # launch-bound: ours as graph replays (the ref syncs: not capturable)
         ours = (time_graph_us if small else time_us)(lambda: torch.ops.beam.qk_prep(*args))
         add_row("qk_prep " + ("full" if full else "sliding"), f"T={t}", ours,
@@ -164,7 +165,8 @@ def paged_decode_case(cfg, batch, context, block_size, kv_dtype, window=0):
     return dict(q=torch.randn(batch, hq, d, device=DEV, dtype=BF16) * 2,
                 k_new=torch.randn(batch, hkv, d, device=DEV, dtype=BF16),
                 v_new=torch.randn(batch, hkv, d, device=DEV, dtype=BF16),
-                gate=torch.rand(batch, hq, device=DEV), k_cache=k_cache, v_cache=v_cache,
+                gate=torch.rand(batch, hq, d, device=DEV, dtype=BF16), k_cache=k_cache,
+                v_cache=v_cache,
                 cu_seqlens_q=ar, q_start=torch.full_like(ar[1:], context),
                 hist_start=torch.zeros_like(ar[1:]), cache_index=index, window=window,
                 k_scale=scale, v_scale=scale)
@@ -201,7 +203,8 @@ def bench_attention_prefill(cfg, ceil, block_size):
         v = torch.randn(t, hkv, d, device=DEV, dtype=BF16)
         zero = torch.zeros(1, device=DEV, dtype=torch.int32)
         cu = torch.tensor([0, t], device=DEV, dtype=torch.int32)
-        case = dict(q=q, k_new=k, v_new=v, gate=torch.ones(t, hq, device=DEV), k_cache=cache,
+        case = dict(q=q, k_new=k, v_new=v, gate=torch.ones(t, hq, d, device=DEV, dtype=BF16),
+                    k_cache=cache,
                     v_cache=cache, cu_seqlens_q=cu, q_start=zero, hist_start=zero,
                     cache_index=torch.arange(rows, device=DEV, dtype=torch.int32)[None],
                     window=window, k_scale=torch.ones((), device=DEV),
@@ -228,9 +231,8 @@ def bench_attention_prefill(cfg, ceil, block_size):
 
 # ----------------------------------------------------------------------------- router
 def bench_router(cfg, ceil):
-    e, h = cfg.n_routed_experts, cfg.hidden_size
-    args = (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-            cfg.norm_topk_prob)
+    e, h = cfg.num_experts, cfg.hidden_size
+    args = (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     layers = SIZES["router_layers"]  # 16 x 5.2 MB of FP32 weight > 60 MB L2: reads HBM
     weights = [torch.randn(e, h, device=DEV) / h**0.5 * 2 for _ in range(layers)]
     bias = 0.05 * torch.randn(e, device=DEV)

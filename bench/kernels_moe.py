@@ -37,7 +37,7 @@ import plugins  # noqa: E402,F401
 from _linear_testdata import linear_args  # noqa: E402
 from _moe_testdata import moe_args, pack_experts  # noqa: E402
 from beam_trtllm.config import preset  # noqa: E402
-from beam_trtllm.reference import route  # noqa: E402
+from plugins._reference import route  # noqa: E402
 from conftest import TOLERANCES  # noqa: E402
 from plugins import linear_fp8, linear_fp8_block, linear_nvfp4  # noqa: E402
 from plugins import moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4  # noqa: E402
@@ -52,7 +52,7 @@ H_AMAX = 8.0  # static down_proj input scale = H_AMAX / 448 (covers silu(g)*u of
 
 def experts(fmt: str, cfg, seed: int) -> dict:
     """All E experts of one MoE layer in `fmt`, quantized one expert at a time on the GPU."""
-    e, h, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    e, h, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     gen = torch.Generator(device=DEV).manual_seed(seed)
     parts = defaultdict(list)
     for _ in range(e):
@@ -72,11 +72,11 @@ def expert_bytes(packed: dict, ids: torch.Tensor) -> int:
 
 def routing(cfg, t: int, seed: int):
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    h, e = cfg.hidden_size, cfg.n_routed_experts
+    h, e = cfg.hidden_size, cfg.num_experts
     x = torch.randn(t, h, generator=gen, device=DEV).to(BF16)
     weight = torch.randn(e, h, generator=gen, device=DEV) * h**-0.5
     bias = torch.randn(e, generator=gen, device=DEV) * 0.1
-    ids, w = route(x, weight, bias, cfg)
+    ids, w = route(x, weight, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
     return x, ids.to(torch.int32), w
 
 
@@ -135,7 +135,7 @@ def bench_moe_format(ctx, fmt: str, tokens=(1, 16, 16384)) -> list[dict]:
         args = moe_args(fmt, x, ids, w, packed, scales)
         status = check(ctx, fmt, op(*args), ref(*args))
         eager = ctx.time_us(lambda: ref(*args)) if ctx.eager else 0.0
-        shape = f"T={t} H={cfg.hidden_size} I={cfg.moe_intermediate_size} E={cfg.n_routed_experts} k=8"
+        shape = f"T={t} H={cfg.hidden_size} I={cfg.moe_intermediate_size} E={cfg.num_experts} k=8"
         if t <= 64:
             ours = ctx.time_graph_us(lambda: op(*args))
             launches = ctx.time_us(lambda: op(*args))
@@ -181,7 +181,7 @@ def kernel_breakdown(fmt: str, args, reps: int = 20) -> str:
 
 def bench_linear(ctx, tokens=(1, 16384)) -> None:
     cfg, ceil = ctx.cfg, ctx.ceilings
-    n = cfg.q_size + 2 * cfg.kv_size + cfg.num_attention_heads  # packed q, k, v, gate
+    n = cfg.qkv_gate_size  # packed q, k, v and the output gate
     # linear_fp8 picks the Triton GEMM up to SMALL_M tokens and _scaled_mm above: both forced
     variants = [("fp8", {"use_scaled_mm": True}), ("fp8", {"use_scaled_mm": False}),
                 ("fp8_block", {}), ("nvfp4", {})]

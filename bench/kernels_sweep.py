@@ -126,7 +126,7 @@ def sweep_prefill(cfg, ceil):
     case = dict(q=torch.randn(t, hq, d, device=DEV, dtype=BF16),
                 k_new=torch.randn(t, hkv, d, device=DEV, dtype=BF16),
                 v_new=torch.randn(t, hkv, d, device=DEV, dtype=BF16),
-                gate=torch.ones(t, hq, device=DEV), k_cache=cache, v_cache=cache,
+                gate=torch.ones(t, hq, d, device=DEV, dtype=BF16), k_cache=cache, v_cache=cache,
                 cu_seqlens_q=torch.tensor([0, t], device=DEV, dtype=torch.int32), q_start=zero,
                 hist_start=zero, cache_index=zero[None], window=0,
                 k_scale=torch.ones((), device=DEV), v_scale=torch.ones((), device=DEV))
@@ -139,9 +139,8 @@ def sweep_prefill(cfg, ceil):
 
 
 def sweep_router(cfg, ceil):
-    e, h = cfg.n_routed_experts, cfg.hidden_size
-    args = (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-            cfg.norm_topk_prob)
+    e, h = cfg.num_experts, cfg.hidden_size
+    args = (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     layers = kb.SIZES["router_layers"]
     weights = [torch.randn(e, h, device=DEV) / h**0.5 for _ in range(layers)]
     bias = torch.zeros(e, device=DEV)

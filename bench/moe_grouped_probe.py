@@ -18,7 +18,7 @@ FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
 def main():
     cfg = preset("beam-1.0-501b")
-    e, h, inner, t = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, 16384
+    e, h, inner, t = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, 16384
     x, ids, _ = km.routing(cfg, t, seed=3)
     k = ids.shape[1]
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -62,7 +62,7 @@ def main() -> None:
     a13 = (x.abs().amax().float() / 448).reshape(())
     a2 = torch.tensor(km.H_AMAX / 448, device="cuda")
     numel = ids.numel()
-    routing = plan_routing(ids, cfg.n_routed_experts, 128, direct=False)
+    routing = plan_routing(ids, cfg.num_experts, 128, direct=False)
     xq = quant_fp8_per_tensor(x, a13)
     h_ref = torch.empty((routing.rows, inner), dtype=torch.float8_e4m3fn, device="cuda")
     y_ref = torch.empty((numel, h), dtype=torch.bfloat16, device="cuda")

@@ -47,7 +47,7 @@ def main(argv=None) -> None:
         status = km.check(ctx, "fp8", run(), ref)
         us = kb.time_us(run)
         rate = flops / us / 1e6
-        print(f"| {tail} | {padding(ids, cfg.n_routed_experts, 128, tail):.3f} | {us / 1e3:.3f} | "
+        print(f"| {tail} | {padding(ids, cfg.num_experts, 128, tail):.3f} | {us / 1e3:.3f} | "
               f"{rate:.0f} | {100 * rate / ceil['fp8_TFLOPs']:.1f}% | {status} |", flush=True)
 
 

@@ -130,7 +130,7 @@ def hot_args(args, cfg):
     """moe_nvfp4's arguments with every expert's weights and scales read from expert 0's
     (`one_expert`); the launcher's checks are skipped from here on (stride-0 views are not
     contiguous)."""
-    moe_nvfp4.check_moe_nvfp4 = lambda *a: (cfg.n_routed_experts, cfg.moe_intermediate_size)
+    moe_nvfp4.check_moe_nvfp4 = lambda *a: (cfg.num_experts, cfg.moe_intermediate_size)
     return tuple(one_expert(a) if a.dim() == 3 else a for a in args)
 
 
@@ -142,7 +142,7 @@ def one_expert(t):
 
 def gate_up_split(cfg, packed, ids):
     """gate/up alone at T=1 (8 pairs, direct): fused against separate gate and up programs."""
-    e, h, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    e, h, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     routing = moe_nvfp4.plan_routing(ids, e, 8, direct=True)
     a = torch.randn(8, h, device="cuda").to(torch.bfloat16)  # ungated: activation row = pair
     args = (packed["w13"], packed["w13_scale"], packed["w13_scale_2"])
@@ -159,7 +159,7 @@ def gate_up_split(cfg, packed, ids):
 def split_probe(cfg, packed, x):
     """Each decode GEMM alone at T=1 (8 experts, whole K) against the same bytes as 16 pairs
     over the first half of K (what a 2-way split of K would launch, without its reduction)."""
-    e, h, inner = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    e, h, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     perm = torch.randperm(e, device="cuda")
     for gated, w, s, s2, n, k in ((True, "w13", "w13_scale", "w13_scale_2", inner, h),
                                   (False, "w2", "w2_scale", "w2_scale_2", h, inner)):

@@ -1,4 +1,4 @@
-"""beam-trt's converter: BF16 Beam checkpoint -> ModelOpt-format FP8 / NVFP4 (or TRT-LLM rank
+"""beam-trt's converter: unquantized Beam checkpoint -> ModelOpt-format FP8 / NVFP4 (or TRT-LLM rank
 files), streamed, calibrated layer by layer, resumable and verified. See docs/CONVERT.md."""
 
 from .errors import ConvertError

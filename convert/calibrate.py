@@ -1,21 +1,31 @@
-"""Activation and KV calibration, streamed one decoder layer at a time through the reference.
+"""Activation and KV calibration, streamed one decoder layer at a time through transformers' Beam.
 
-ModelOpt's max calibration runs the whole BF16 model and records, per Linear, amax |input| and,
-per attention, amax of K and V as they enter the cache. This does the same computation with
-`beam_trtllm.reference.BeamDecoderLayer` built and loaded one layer at a time: the hidden states
-of all calibration tokens go through layer i, then layer i is dropped. Inside a MoE layer the
-experts are loaded one at a time when the router first sends them tokens (`LazyExperts`), so the
-peak is the layer's attention + router + one expert, not the layer's 256 experts (20 GB for Beam).
-Same ops, same order, same dtype as the full model, so the amax values equal ModelOpt's
-(tests/test_convert_modelopt.py checks them bit for bit on the tiny model).
+ModelOpt's max calibration runs the whole BF16 `BeamForCausalLM` and records, per Linear,
+amax |input| and, per attention, amax of K and V as they enter the cache. This runs the same
+computation with transformers' own modules (`transformers.models.beam.modeling_beam`), built
+and loaded one `BeamDecoderLayer` at a time: the hidden states of all calibration tokens go
+through layer i, then layer i is dropped. The layer inputs are made as `BeamModel.forward`
+makes them (its RoPE module, `compute_attention_scaling`, its mask functions; no cache, as
+ModelOpt's calibration loop runs with `use_cache=False`). Inside a MoE layer the experts are
+read one at a time when the router first sends them tokens (`LazyExperts`, a `BeamExperts`
+whose forward is BeamExperts' eager loop), so the peak is the layer's attention + router + one
+expert, not the layer's 256 experts (20 GB for Beam). Same ops, same order, same dtype as the
+full model, so the amax values equal ModelOpt's (tests/test_convert_modelopt.py checks the
+exported scales byte for byte on the tiny model).
 
-Experts the router never picks: every expert's input amax becomes the max over the layer's
-experts (gate/up/down separately), which is ModelOpt's `layer_sync_moe_local_experts_amax`; the
-coverage (experts that got tokens per layer) is printed and kept in the manifest.
+What is recorded, and how:
+- Linear inputs: forward pre-hooks (q/k/v/gate_proj of the attention all read the same x);
+- an expert's gate_up input and down input: inside `LazyExperts.forward`. ModelOpt's
+  `_QuantFusedExperts` shares one input quantizer over a layer's experts, so every expert's
+  input amax becomes the max over the layer's experts (`sync_experts`), experts the router
+  never picked included; the coverage (experts that got tokens per layer) is printed and kept;
+- K and V after k_norm and, on sliding layers, after RoPE (what enters the cache): an attention
+  function registered with transformers' `AttentionInterface` records them, then runs SDPA.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -23,9 +33,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from beam_trtllm.config import BeamConfig
-from beam_trtllm.reference import BeamDecoderLayer, BeamMLP
 
 DTYPE = torch.bfloat16  # the model dtype ModelOpt calibrates in (export dtype of the checkpoint)
+# The attention ModelOpt's model runs: transformers' default for BeamForCausalLM.from_pretrained.
+# Eager attention rounds differently in BF16, which would move every later layer's amax.
+BASE_ATTENTION = "sdpa"
+RECORDING_ATTENTION = "beam_trt_calibration"  # BASE_ATTENTION that records K/V amax first
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(lo.abs(), hi.abs()).float().cpu()
 
 
 @dataclass
@@ -36,10 +54,13 @@ class Calibration:
     tokens: int = 0
 
     def record(self, name: str, x: torch.Tensor) -> None:
-        lo, hi = torch.aminmax(x.detach())
-        amax = torch.maximum(lo.abs(), hi.abs()).float().cpu()
-        old = self.input_amax.get(name)
+        amax, old = _amax(x), self.input_amax.get(name)
         self.input_amax[name] = amax if old is None else torch.maximum(old, amax)
+
+    def record_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        new = (_amax(key), _amax(value))
+        old = self.kv_amax.get(layer)
+        self.kv_amax[layer] = new if old is None else tuple(map(torch.maximum, old, new))
 
     def to_json(self) -> dict:
         return {"input_amax": {k: v.item() for k, v in self.input_amax.items()},
@@ -54,65 +75,131 @@ class Calibration:
                    {int(k): v for k, v in raw["coverage"].items()}, raw["tokens"])
 
 
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' BASE_ATTENTION, after recording amax |K|, |V| as they enter the cache (the
+    tensors ModelOpt's `_QuantAttention` hands its k/v_bmm_quantizers)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    module.kv_calibration.record_kv(module.layer_idx, key, value)
+    base = ALL_ATTENTION_FUNCTIONS[BASE_ATTENTION]
+    return base(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_recording_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(RECORDING_ATTENTION, _recording_attention)
+    base_mask = ALL_MASK_ATTENTION_FUNCTIONS[BASE_ATTENTION]
+    AttentionMaskInterface.register(RECORDING_ATTENTION, base_mask)
+
+
+@functools.cache
+def _lazy_experts_class():  # a function: transformers is imported only when calibrating
+    from transformers.models.beam.modeling_beam import BeamExperts
+
+    class LazyExperts(BeamExperts):
+        """`mlp.experts` of one layer whose expert e is read from the checkpoint when the router
+        first sends it tokens, and dropped after; records the gate/up and the down input."""
+
+        def __init__(self, config, prefix: str, read, device, calib: Calibration):
+            with torch.device("meta"):
+                super().__init__(config)
+            del self.gate_up_proj, self.down_proj  # the weights stay on disk until used
+            self.prefix, self.read, self.device, self.calib = prefix, read, device, calib
+            self.used: set[int] = set()
+
+        def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            p = f"{self.prefix}{e}."
+            load = lambda n: self.read(p + n).to(self.device, DTYPE)  # noqa: E731
+            self.used.add(e)
+            # gate rows first: the [2I, H] slice BeamExperts.gate_up_proj[e] would be
+            gate_up = torch.cat([load("gate_proj.weight"), load("up_proj.weight")])
+            return gate_up, load("down_proj.weight")
+
+        def _record(self, e: int, gate_up_input: torch.Tensor, down_input: torch.Tensor) -> None:
+            p = f"{self.prefix}{e}."
+            self.calib.record(p + "gate_proj", gate_up_input)
+            self.calib.record(p + "up_proj", gate_up_input)
+            self.calib.record(p + "down_proj", down_input)
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            # BeamExperts.forward (eager), the expert weights read per expert
+            final = torch.zeros_like(hidden_states)
+            with torch.no_grad():
+                mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+                hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+            for expert_idx in hit:
+                expert_idx = expert_idx[0]
+                if expert_idx == self.num_experts:
+                    continue
+                top_k_pos, token_idx = torch.where(mask[expert_idx])
+                gate_up, down = self._expert(int(expert_idx))
+                x = hidden_states[token_idx]
+                current = self._apply_gate(F.linear(x, gate_up))
+                self._record(int(expert_idx), x, current)
+                current = F.linear(current, down) * top_k_weights[token_idx, top_k_pos, None]
+                final.index_add_(0, token_idx, current.to(final.dtype))
+                del gate_up, down  # before the next expert is read: one resident at a time
+            return final
+
+    return LazyExperts
+
+
 def _watch(module: nn.Linear, name: str, calib: Calibration) -> None:
     module.register_forward_pre_hook(lambda _m, args: calib.record(name, args[0]))
 
 
-class LazyExperts(nn.Module):
-    """`mlp.experts` whose expert e is read from the checkpoint when the router first uses it."""
+def _load_layer(hf_cfg, i: int, read, device, calib: Calibration):
+    """transformers' BeamDecoderLayer i with its weights (experts lazy), hooked for calibration."""
+    from transformers.models.beam.modeling_beam import BeamDecoderLayer
 
-    def __init__(self, cfg: BeamConfig, layer: int, read, device, calib: Calibration):
-        super().__init__()
-        self.cfg, self.layer, self.read, self.device, self.calib = cfg, layer, read, device, calib
-        self.used: set[int] = set()
-
-    def __getitem__(self, e: int) -> BeamMLP:
-        prefix = f"model.layers.{self.layer}.mlp.experts.{e}."
-        with torch.device("meta"):
-            mlp = BeamMLP(self.cfg.hidden_size, self.cfg.moe_intermediate_size)
-        state = {k: self.read(prefix + k).to(self.device, DTYPE) for k in mlp.state_dict()}
-        mlp.load_state_dict(state, assign=True)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            _watch(getattr(mlp, proj), prefix + proj, self.calib)
-        self.used.add(e)
-        return mlp
-
-
-def _load_layer(cfg, i, read, device, calib) -> tuple[BeamDecoderLayer, LazyExperts | None]:
     with torch.device("meta"):
-        layer = BeamDecoderLayer(cfg, i)
-    experts = None
-    if cfg.is_moe(i):
-        experts = LazyExperts(cfg, i, read, device, calib)
-        layer.mlp.experts = experts
+        layer = BeamDecoderLayer(hf_cfg, i)
     prefix = f"model.layers.{i}."
+    experts = None
+    if hf_cfg.mlp_layer_types[i] == "sparse":
+        experts = _lazy_experts_class()(hf_cfg, prefix + "mlp.experts.", read, device, calib)
+        layer.mlp.experts = experts
     state = {}
     for k in layer.state_dict():
-        dtype = torch.float32 if ".mlp.gate." in "." + k else DTYPE  # router stays FP32
+        dtype = torch.float32 if k.startswith("mlp.gate.") else DTYPE  # the router stays FP32
         state[k] = read(prefix + k).to(device, dtype)
     layer.load_state_dict(state, assign=True, strict=True)
     for name, module in layer.named_modules():
         if isinstance(module, nn.Linear):
             _watch(module, prefix + name, calib)
+    layer.self_attn.kv_calibration = calib
     return layer.eval().requires_grad_(False), experts
 
 
-def _observe_kv(calib: Calibration, layer: int):
-    def observe(k, v):
-        for slot, t in enumerate((k, v)):
-            lo, hi = torch.aminmax(t.detach())
-            amax = torch.maximum(lo.abs(), hi.abs()).float().cpu()
-            old = calib.kv_amax.get(layer, (None, None))
-            pair = list(old)
-            pair[slot] = amax if old[slot] is None else torch.maximum(old[slot], amax)
-            calib.kv_amax[layer] = tuple(pair)
-    return observe
+def _layer_inputs(hf_cfg, h: torch.Tensor):
+    """Per layer type: (mask, RoPE cos/sin or None, SSMax scaling or None), as BeamModel.forward
+    makes them for a forward without cache or padding."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.models.beam.modeling_beam import (BeamRotaryEmbedding,
+                                                        compute_attention_scaling)
+
+    position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    kwargs = {"config": hf_cfg, "inputs_embeds": h, "attention_mask": None, "cache": None,
+              "position_ids": position_ids}
+    masks = {"full_attention": create_causal_mask,
+             "sliding_attention": create_sliding_window_causal_mask}
+    rotary = BeamRotaryEmbedding(hf_cfg, device=h.device)
+    out = {}
+    for layer_type in set(hf_cfg.layer_types):
+        if hf_cfg.rope_parameters[layer_type] is None:  # full layers: NoPE with SSMax
+            rope, scaling = None, compute_attention_scaling(position_ids)
+        else:
+            rope, scaling = rotary(h, position_ids, layer_type), None
+        out[layer_type] = (masks[layer_type](**kwargs), rope, scaling)
+    return out, position_ids
 
 
 def sync_experts(cfg: BeamConfig, calib: Calibration, layer: int) -> None:
     """Every expert of the layer gets the layer's max input amax per projection."""
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}" for e in range(cfg.n_routed_experts)]
+        names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}" for e in range(cfg.num_experts)]
         seen = [calib.input_amax[n] for n in names if n in calib.input_amax]
         if seen:
             top = torch.stack(seen).max()
@@ -123,20 +210,24 @@ def sync_experts(cfg: BeamConfig, calib: Calibration, layer: int) -> None:
 @torch.inference_mode()
 def calibrate(cfg: BeamConfig, read, ids: torch.Tensor, device="cpu", log=print) -> Calibration:
     """`read(name)` -> input tensor. ids [samples, seq_len]. One layer resident at a time."""
+    from beam_trtllm.hf_model import hf_config
+
+    _register_recording_attention()
+    hf_cfg = hf_config(cfg, attn_implementation=RECORDING_ATTENTION)
     calib = Calibration(tokens=ids.numel())
-    b, t = ids.shape
     ids = ids.to(device)
-    positions = torch.arange(t, device=device).expand(b, t)
     h = F.embedding(ids, read("model.embed_tokens.weight").to(device, DTYPE))
+    inputs, position_ids = _layer_inputs(hf_cfg, h)
     for i in range(cfg.num_hidden_layers):
-        layer, experts = _load_layer(cfg, i, read, device, calib)
-        layer.self_attn.kv_observer = _observe_kv(calib, i)
-        h = layer(h, positions)
+        layer, experts = _load_layer(hf_cfg, i, read, device, calib)
+        mask, rope, scaling = inputs[hf_cfg.layer_types[i]]
+        h = layer(h, position_embeddings=rope, attention_mask=mask, position_ids=position_ids,
+                  attention_scaling=scaling)
+        extra = ""
         if experts is not None:
             calib.coverage[i] = len(experts.used)
             sync_experts(cfg, calib, i)
-        extra = (f", {calib.coverage[i]}/{cfg.n_routed_experts} experts routed"
-                 if experts is not None else "")
+            extra = f", {calib.coverage[i]}/{cfg.num_experts} experts routed"
         log(f"  calibrated layer {i + 1}/{cfg.num_hidden_layers}{extra}")
         del layer, experts
     return calib

@@ -1,7 +1,9 @@
 """`convert.dequant(dir)`: a quantized checkpoint (either layout) back to the BF16-layout state
-dict of the input (same names and shapes; router FP32, everything else BF16). Used by
-`beam-trt verify`, the engine's tests ("the reference on the dequantized weights") and the
-kernels' references. Decoding is `beam_trtllm.quant_formats` (the kernels' decoders).
+dict of the input (the canonical names and shapes of `expected_tensors`, experts per expert;
+router FP32, everything else BF16), which `beam_trtllm.hf_model.model_from_state_dict` loads
+into transformers' BeamForCausalLM. Used by `beam-trt verify`, the engine's tests (the
+canonical model on the dequantized weights) and the kernels' references. Decoding is
+`beam_trtllm.quant_formats` (the kernels' decoders).
 
 `QuantizedCheckpoint` reads one stored tensor at a time (rank files are reassembled per
 tensor), so `verify` can walk a model far larger than memory."""

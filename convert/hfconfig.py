@@ -1,17 +1,24 @@
 """`hf_quant_config.json` and `config.json["quantization_config"]` as ModelOpt 0.47 writes them.
 
-Rules (observed on ModelOpt's own exports of the tiny Beam, tests/test_convert_modelopt.py):
-- one format for every quantized Linear: `quant_algo` is that format ("FP8", "NVFP4" +
+Rules (observed on ModelOpt's own exports of transformers' BeamForCausalLM,
+tests/test_convert_modelopt.py): ModelOpt lists quantizable modules in transformers' module
+order, and a MoE layer's fused experts are ONE module, `model.layers.{i}.mlp.experts`.
+- one format for every quantized module: `quant_algo` is that format ("FP8", "NVFP4" +
   group_size 16, "W4A16_NVFP4", "fp8_pb_wo" in lower case), and `exclude_modules` lists the
-  unquantized modules that ModelOpt sees (Linears left in BF16, the embedding, the MoE routers)
-  summarised with prefix wildcards where no quantized module matches them, sorted;
-- several formats: "MIXED_PRECISION" with one `quantized_layers` entry per Linear in module
-  order, and no `exclude_modules` at all (`ignore: []` in config.json);
+  unquantized modules ModelOpt sees (Linears or experts left in BF16, the embedding, the MoE
+  routers) summarised with prefix wildcards where no quantized module matches them, sorted;
+- several formats: "MIXED_PRECISION" with one `quantized_layers` entry per quantized module in
+  module order (so one per layer's experts), and no `exclude_modules` (`ignore: []`);
 - `kv_cache_quant_algo` "FP8" with FP8 KV, else null; config.json's copy is the
   compressed-tensors style dict of `convert_hf_quant_config_format`.
 """
 
 from __future__ import annotations
+
+import torch
+from torch import nn
+
+from beam_trtllm.config import BeamConfig
 
 from .plan import Plan
 
@@ -61,14 +68,41 @@ def summarize_excludes(excluded: list[str], quantized: list[str]) -> list[str]:
     return sorted(chosen)
 
 
+def _layer_module_order(cfg: BeamConfig, layer: int) -> list[str]:
+    """The Linears and the experts of a decoder layer, in transformers' module order."""
+    from transformers.models.beam.modeling_beam import BeamDecoderLayer, BeamExperts
+
+    from beam_trtllm.hf_model import hf_config
+
+    with torch.device("meta"):
+        module = BeamDecoderLayer(hf_config(cfg), layer)
+    return [n for n, m in module.named_modules() if isinstance(m, (nn.Linear, BeamExperts))]
+
+
+def modelopt_modules(plan: Plan) -> list[tuple[str, str]]:
+    """(module, format) of every module ModelOpt's get_quant_config reports, in its order: the
+    embedding, each layer's Linears with its experts as one module, lm_head, then the routers."""
+    cfg, order = plan.cfg, {}
+    out = [("model.embed_tokens", "none")]
+    for i in range(cfg.num_hidden_layers):
+        kind = cfg.mlp_layer_types[i]
+        if kind not in order:
+            order[kind] = _layer_module_order(cfg, i)
+        for name in order[kind]:
+            module = f"model.layers.{i}.{name}"
+            key = module + ".0.gate_proj" if name == "mlp.experts" else module  # one format a layer
+            out.append((module, plan.formats[key]))
+    out.append(("lm_head", plan.formats["lm_head"]))
+    return out + [(f"model.layers.{i}.mlp.gate", "none") for i in cfg.moe_layers]
+
+
 def hf_quant_config(plan: Plan) -> dict:
-    excluded, layers = ["model.embed_tokens"], {}
-    for module, fmt in plan.formats.items():
+    excluded, layers = [], {}
+    for module, fmt in modelopt_modules(plan):
         if fmt == "none":
             excluded.append(module)
         else:
             layers[module] = dict(LAYER_CONFIG[fmt])
-    excluded += [f"model.layers.{i}.mlp.gate" for i in plan.cfg.moe_layers]
     quant: dict = {"quant_algo": None, "kv_cache_quant_algo": None}
     kinds = {str(c) for c in layers.values()}
     if len(kinds) > 1:

@@ -109,6 +109,11 @@ def _atomic_text(path: Path, text: str) -> None:
 def _side_files(src: InputCheckpoint, out_dir: Path, plan, opts, mapping) -> list[str]:
     hfq = hf_quant_config(plan)
     config = dict(src.config_json)
+    # The unquantized tensors are written in BF16 whatever the input's dtype (inputs.py), and
+    # ModelOpt's export of the BF16-loaded model says so too.
+    config["dtype"] = "bfloat16"
+    if "torch_dtype" in config:  # the pre-5.0 name of the same field
+        config["torch_dtype"] = "bfloat16"
     if opts.fmt == "trtllm":
         config = trtllm_config(src.config_json, src.cfg, hfq, mapping)
     else:

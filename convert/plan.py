@@ -2,13 +2,19 @@
 
 Known before any tensor is read, so output headers can be written first and a killed run can
 resume at a unit boundary. A unit is one input tensor copied as is, or a group of Linears that
-ModelOpt quantizes together:
-- NVFP4 (and W4A16 NVFP4): Linears that read the same input share `weight_scale_2` (the max of
-  their amax) and `input_scale`: q/k/v of a layer, gate/up of the dense MLP and of each expert
-  (ModelOpt's `preprocess_linear_fusion`). FP8 per tensor: never fused.
-- fp8_pb_wo: ModelOpt fuses the group too, but its rule only acts when the first member's
-  weight is a single 128x128 block (`amax.numel() == 1`); for any larger weight nothing is
-  shared. Replicated here so even the tiny model matches byte for byte.
+ModelOpt 0.47 quantizes together on transformers' BeamForCausalLM (checked byte for byte by
+tests/test_convert_modelopt.py):
+- Linears that read one input (q/k/v and the attention's output gate `self_attn.gate_proj` of a
+  layer; gate/up of a dense MLP) are fused by ModelOpt's `preprocess_linear_fusion`: in NVFP4
+  (and W4A16 NVFP4) they share `weight_scale_2` (the max of their amax) and `input_scale`. FP8
+  per tensor: never fused. fp8_pb_wo: fused too, but the rule only acts when the first member's
+  weight is a single 128x128 block (`amax.numel() == 1`); for larger weights nothing is shared.
+- An expert's gate and up are one fused `gate_up_proj` [2I, H] in transformers, quantized by
+  ModelOpt's `_QuantFusedExperts` with ONE weight quantizer and split on export: they share the
+  weight amax in every format (NVFP4 `weight_scale_2`, FP8 `weight_scale`). In fp8_pb_wo the
+  gate_up block amax is sliced at the gate/up boundary: one shared scale when gate_up is a single
+  128x128 block, per-projection scales when I is a multiple of 128; any other I cannot be
+  exported by ModelOpt (it fails on the slice) and is refused here.
 """
 
 from __future__ import annotations
@@ -63,36 +69,74 @@ def linear_modules(cfg: BeamConfig) -> dict[str, tuple[int, int]]:
             if n.endswith("_proj.weight") or n == "lm_head.weight"}
 
 
-def _groups(cfg: BeamConfig) -> list[list[str]]:
-    """Linears that read one input tensor (what ModelOpt's dummy forward finds)."""
+def input_groups(cfg: BeamConfig) -> list[list[str]]:
+    """Linears that read one input tensor (what ModelOpt's export-time dummy forward finds)."""
     out = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        out.append([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"])
-        if cfg.is_moe(i):
-            out += [[f"{p}mlp.experts.{e}.gate_proj", f"{p}mlp.experts.{e}.up_proj"]
-                    for e in range(cfg.n_routed_experts)]
-        else:
+        attention = ("q_proj", "k_proj", "v_proj", "gate_proj")  # gate_proj: the output gate
+        out.append([p + "self_attn." + proj for proj in attention])
+        if not cfg.is_moe(i):
             out.append([p + "mlp.gate_proj", p + "mlp.up_proj"])
     return out
 
 
-def _fused_groups(formats, shapes, groups) -> dict[str, list[str]]:
-    """first member -> group, for groups whose format shares scales."""
+def expert_groups(cfg: BeamConfig) -> list[list[str]]:
+    """[gate_proj, up_proj] of every expert: one fused gate_up_proj in transformers."""
+    return [[f"model.layers.{i}.mlp.experts.{e}.{proj}" for proj in ("gate_proj", "up_proj")]
+            for i in cfg.moe_layers for e in range(cfg.num_experts)]
+
+
+def _one_format(group: list[str], formats, why: str) -> str | None:
+    """The format all quantized members share (None: no member is quantized)."""
+    fmts = {formats[m] for m in group if formats[m] != "none"}
+    if len(fmts) > 1:
+        raise ConvertError(f"recipe gives {', '.join(group)} different formats ({sorted(fmts)}); "
+                           f"{why}")
+    return fmts.pop() if fmts else None
+
+
+def _fused_groups(cfg: BeamConfig, formats, shapes) -> dict[str, list[str]]:
+    """first member -> group, for groups whose members share scales."""
     fused = {}
-    for group in groups:
+    for group in input_groups(cfg):
+        fmt = _one_format(group, formats, "Linears that share an input must share a format "
+                                          "(ModelOpt fuses them)")
         group = [m for m in group if formats[m] != "none"]  # unquantized members never fuse
-        fmts = {formats[m] for m in group}
-        if len(fmts) > 1:
-            raise ConvertError(f"recipe gives {', '.join(group)} different formats ({sorted(fmts)}); "
-                               "Linears that share an input must share a format (ModelOpt fuses them)")
-        if len(group) < 2 or (fmt := fmts.pop()) not in FUSES:
+        if len(group) < 2 or fmt not in FUSES:
             continue
         n, k = shapes[group[0]]
         if fmt == "fp8_pb_wo" and (n > FP8_BLOCK or k > FP8_BLOCK):
             continue
         fused[group[0]] = group
+    for group in expert_groups(cfg):  # one format per layer's experts: _check_expert_formats
+        fmt = formats[group[0]]
+        if fmt == "none":
+            continue
+        if fmt == "fp8_pb_wo" and not _gate_up_one_block(cfg):
+            if cfg.moe_intermediate_size % FP8_BLOCK:
+                raise ConvertError(
+                    f"fp8_pb_wo experts: moe_intermediate_size {cfg.moe_intermediate_size} is not "
+                    f"a multiple of {FP8_BLOCK}, so the gate/up boundary cuts a 128x128 block of "
+                    "the fused gate_up_proj (ModelOpt cannot export that either)")
+            continue  # block-aligned: per-projection scales equal ModelOpt's sliced block amax
+        fused[group[0]] = group
     return fused
+
+
+def _gate_up_one_block(cfg: BeamConfig) -> bool:
+    return 2 * cfg.moe_intermediate_size <= FP8_BLOCK and cfg.hidden_size <= FP8_BLOCK
+
+
+def _check_expert_formats(cfg: BeamConfig, formats) -> None:
+    """A layer's experts are one module (`mlp.experts`) to ModelOpt: one format for all."""
+    for i in cfg.moe_layers:
+        prefix = f"model.layers.{i}.mlp.experts."
+        fmts = sorted({f for m, f in formats.items() if m.startswith(prefix)})
+        if len(fmts) > 1:
+            raise ConvertError(f"recipe gives the experts of layer {i} several formats ({fmts}); "
+                               f"ModelOpt quantizes a layer's fused experts ({prefix[:-1]}) "
+                               "with one format")
 
 
 def linear_outputs(module: str, fmt: str, shape, dtype, calibrated: bool):
@@ -122,7 +166,8 @@ def make_plan(cfg: BeamConfig, recipe: Recipe, calibrated: bool, kv_fp8: bool) -
     formats = {m: recipe.format_of(m) for m in shapes}
     if not calibrated:
         formats = {m: WEIGHT_ONLY[f] for m, f in formats.items()}
-    fused = _fused_groups(formats, shapes, _groups(cfg))
+    _check_expert_formats(cfg, formats)
+    fused = _fused_groups(cfg, formats, shapes)
     member_of = {m: g[0] for g in fused.values() for m in g}
     units: list[Unit] = []
     for name, (shape, dtype) in expected_tensors(cfg).items():

@@ -52,9 +52,10 @@ def quantize_unit(unit: Unit, tensors: dict[str, torch.Tensor], calib: Calibrati
                     (m + ".weight_scale_2", scale_2.reshape(()).clone())]
             if act is not None:
                 out.append((m + ".input_scale", qf.nvfp4_activation_scale(act)))
-    elif unit.fmt == "fp8":
+    elif unit.fmt == "fp8":  # fused only for an expert's gate/up: one gate_up_proj quantizer
+        shared = torch.stack(list(amaxes.values())).max() if unit.fused else None
         for m, w in weights.items():
-            q, scale = qf.quantize_fp8(w, amaxes[m])
+            q, scale = qf.quantize_fp8(w, amaxes[m] if shared is None else shared)
             out += [(m + ".weight", q.cpu()), (m + ".weight_scale", scale)]
             if act is not None:
                 out.append((m + ".input_scale", qf.fp8_activation_scale(act)))

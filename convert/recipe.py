@@ -2,8 +2,10 @@
 
 A rule list is matched in order (fnmatch on the module name, i.e. the weight name without
 `.weight`); the first match wins. Formats: `fp8` (per tensor), `fp8_pb_wo` (128x128 blocks),
-`nvfp4`, `none` (kept in the checkpoint dtype). Rules only ever see Linear modules: embeddings,
-the router (weight and bias, FP32) and the norms are never quantized, whatever a recipe says.
+`nvfp4`, `none` (kept in BF16). Rules only ever see Linear modules: embeddings, the MoE
+router `mlp.gate` (weight and bias, FP32), the norms and the attention's `self_attn.gate_bias`
+are never quantized, whatever a recipe says. Mind the two gates: `*.self_attn.gate_proj` is
+the attention's output gate (a Linear as large as q_proj), `*.mlp.gate_proj` the MLP's.
 
 Without calibration data a recipe runs weight-only: `nvfp4` becomes ModelOpt's `w4a16_nvfp4`
 and FP8 Linears carry no `input_scale` (see docs/CONVERT.md).

@@ -2,7 +2,9 @@
 
 world = tp; moe_ep = ep, moe_tp = tp // ep; rank r has moe_ep_rank = r % ep and
 moe_tp_rank = r // ep (tensorrt_llm.Mapping). Rules, by module:
-- q_proj, g_proj: output rows by query heads; o_proj: input columns by query heads;
+- q_proj and the attention's output gate self_attn.gate_proj ([Hq*D, H], D rows a head):
+  output rows by query heads; self_attn.gate_bias ([Hq]) by query heads; o_proj: input
+  columns by query heads;
 - k_proj, v_proj: output rows by KV heads; when tp > num_key_value_heads, KV head
   r // (tp / Hkv) is replicated on the tp / Hkv ranks whose query heads read it;
 - dense MLP and lm_head: gate/up/lm_head rows, down columns, split tp ways;
@@ -63,8 +65,8 @@ def check_mapping(cfg: BeamConfig, tp: int, ep: int) -> Mapping:
     if (tp <= hkv and hkv % tp) or (tp > hkv and tp % hkv):
         raise ConvertError(f"--tp {tp}: KV heads ({hkv}) can be neither split evenly nor "
                            "replicated evenly (tp must divide or be a multiple of them)")
-    if cfg.n_routed_experts % ep:
-        raise ConvertError(f"--ep {ep} does not divide n_routed_experts ({cfg.n_routed_experts})")
+    if cfg.num_experts % ep:
+        raise ConvertError(f"--ep {ep} does not divide num_experts ({cfg.num_experts})")
     return Mapping(tp, ep)
 
 
@@ -72,7 +74,7 @@ def _module_rule(name: str, cfg: BeamConfig, m: Mapping, r: int):
     """(orientation, parts, index) for rank r, None = replicate, "absent" = not on rank r."""
     if (hit := _EXPERT.match(name)) is not None:
         e, proj = int(hit.group(1)), hit.group(2)
-        if e // (cfg.n_routed_experts // m.ep) != m.moe_ep_rank(r):
+        if e // (cfg.num_experts // m.ep) != m.moe_ep_rank(r):
             return "absent"
         return ("col" if proj == "down" else "row", m.moe_tp, m.moe_tp_rank(r))
     if ".self_attn." in name:
@@ -81,8 +83,8 @@ def _module_rule(name: str, cfg: BeamConfig, m: Mapping, r: int):
                 return None
             parts = min(m.tp, cfg.num_key_value_heads)
             return ("row", parts, r // (m.tp // parts))
-        if ".q_proj." in name or ".g_proj." in name:
-            return ("row", m.tp, r)
+        if ".q_proj." in name or ".gate_proj." in name or name.endswith(".gate_bias"):
+            return ("row", m.tp, r)  # query heads; tp divides them (check_mapping)
         if ".o_proj." in name:
             return ("col", m.tp, r)
         return None

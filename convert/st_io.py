@@ -1,7 +1,8 @@
 """safetensors reading and writing, one tensor at a time.
 
 Reading parses the header (validated against the file size, so a truncated file is refused
-before any work) and reads each tensor with `pread` into its own buffer. Pages of an mmap'd
+before any work) and reads each tensor, or one expert's rows of a fused expert tensor, with
+`pread` into its own buffer. Pages of an mmap'd
 file count in the process RSS while mapped, so reading a 5 GB shard through one mmap grows RSS
 by 5 GB; pread keeps peak RSS at the tensors actually held.
 
@@ -85,6 +86,21 @@ class TensorFile:
     def read(self, name: str) -> torch.Tensor:
         dtype, shape = self.specs[name]
         start, nbytes = self.offsets[name]
+        return self._pread(name, start, nbytes).view(dtype).reshape(shape)
+
+    def read_rows(self, name: str, index: int, row: int, rows: int) -> torch.Tensor:
+        """`tensor[index, row:row + rows]` of a 3-D tensor (one expert's rows of a fused expert
+        tensor): a contiguous byte range, read alone."""
+        dtype, shape = self.specs[name]
+        start, _ = self.offsets[name]
+        if len(shape) != 3 or not (0 <= index < shape[0] and 0 <= row and row + rows <= shape[1]):
+            raise ConvertError(f"{self.path}: tensor {name} {list(shape)} has no rows "
+                               f"[{index}, {row}:{row + rows}]")
+        row_bytes = shape[2] * torch.empty((), dtype=dtype).element_size()
+        first = start + (index * shape[1] + row) * row_bytes
+        return self._pread(name, first, rows * row_bytes).view(dtype).reshape(rows, shape[2])
+
+    def _pread(self, name: str, start: int, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         view = memoryview(buf.numpy())
         done = 0
@@ -93,7 +109,7 @@ class TensorFile:
             if got <= 0:
                 raise ConvertError(f"{self.path}: tensor {name}: file ended while reading")
             done += got
-        return buf.view(dtype).reshape(shape)
+        return buf
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -2,12 +2,15 @@
 
 1. manifest.json exists (the conversion finished); every file it lists has its size and
    sha256, every weight file holds exactly the tensors (dtype, shape) it lists.
-2. --against: each quantized Linear is decoded and compared with the BF16 input (relative
-   Frobenius error, max abs error), one tensor at a time; unquantized tensors must be identical.
-3. --against, model <= --max-model-gb in BF16: the reference model runs on held-out text with
-   the BF16 weights and with the dequantized weights; mean KL(BF16 || quantized) per token and
-   top-1 agreement of the next-token prediction. Weights only: activation and KV quantization
-   are the kernels' business (tested there).
+2. --against: each quantized Linear is decoded and compared with the input (relative
+   Frobenius error, max abs error), one tensor at a time; unquantized tensors must equal the
+   input cast to the output dtype (BF16; routers FP32) bit for bit.
+3. --against, model <= --max-model-gb in BF16: transformers' BeamForCausalLM (the canonical
+   model, in FP32) runs on held-out text with the input weights as stored and with the
+   dequantized weights; mean KL(input || quantized) per token and top-1 agreement of the
+   next-token prediction. Weights only: activation and KV quantization are the kernels'
+   business (tested there). An FP32 input's KL includes the cast to BF16 the output is
+   written in.
 """
 
 from __future__ import annotations
@@ -55,14 +58,13 @@ def _tensor_errors(q: QuantizedCheckpoint, src, problems: list[str]) -> dict:
     stats: dict[str, list[float]] = {}
     worst = []
     for name in expected_tensors(q.cfg):
-        ref = src.read(name)
         stored = q.tensor(name)
         if stored.dtype not in (torch.uint8, torch.float8_e4m3fn):
-            if not torch.equal(stored, ref):
+            if not torch.equal(stored, src.read(name)):  # the input cast to the output dtype
                 problems.append(f"tensor {name}: unquantized but differs from the input")
             continue
         fmt = "nvfp4" if stored.dtype == torch.uint8 else "fp8"
-        deq, ref32 = q.dequant_tensor(name), ref.float()
+        deq, ref32 = q.dequant_tensor(name), src.read_stored(name).float()
         rel = ((deq - ref32).norm() / ref32.norm().clamp_min(1e-30)).item()
         stats.setdefault(fmt, []).append(rel)
         worst.append((rel, name, (deq - ref32).abs().max().item()))
@@ -76,19 +78,21 @@ def _tensor_errors(q: QuantizedCheckpoint, src, problems: list[str]) -> dict:
 
 @torch.inference_mode()
 def _logits(q: QuantizedCheckpoint, src) -> dict:
-    from beam_trtllm.reference import BeamForCausalLM
+    """KL and top-1 of transformers' BeamForCausalLM (FP32) on the input as stored against the
+    same model on the dequantized weights."""
+    from beam_trtllm.hf_model import logits, model_from_state_dict
 
     from .calib_data import load_calib_tokens
 
     samples, seq = LOGIT_TEXT_TOKENS
     ids = load_calib_tokens(src.dir, None, samples * 2, seq).ids[samples:]  # not the calib windows
     names = expected_tensors(q.cfg)
-    ref = BeamForCausalLM.from_state_dict(q.cfg, {n: src.read(n) for n in names}, torch.float32)
-    p = torch.log_softmax(ref(ids), -1)
+    ref = model_from_state_dict(q.cfg, {n: src.read_stored(n) for n in names}, torch.float32)
+    p = torch.log_softmax(logits(ref, ids), -1)
     del ref
-    quant = BeamForCausalLM.from_state_dict(
+    quant = model_from_state_dict(
         q.cfg, {n: q.dequant_tensor(n).to(d) for n, (_, d) in names.items()}, torch.float32)
-    lq = torch.log_softmax(quant(ids), -1)
+    lq = torch.log_softmax(logits(quant, ids), -1)
     kl = (p.exp() * (p - lq)).sum(-1).mean().item()
     top1 = (p.argmax(-1) == lq.argmax(-1)).float().mean().item()
     return {"tokens": ids.numel(), "kl_mean": kl, "top1_agreement": top1}
@@ -128,8 +132,8 @@ def format_report(r: dict) -> str:
                      f"  max {s['max_rel_err']:.4f}")
     lg = r.get("logits")
     if lg and "kl_mean" in lg:
-        lines.append(f"  logits vs BF16 over {lg['tokens']} tokens: KL {lg['kl_mean']:.5f} nats/token, "
-                     f"top-1 agreement {100 * lg['top1_agreement']:.1f}%")
+        lines.append(f"  logits vs the input over {lg['tokens']} tokens: KL {lg['kl_mean']:.5f} "
+                     f"nats/token, top-1 agreement {100 * lg['top1_agreement']:.1f}%")
     elif lg:
         lines.append(f"  logits check skipped: {lg['skipped']}")
     lines += [f"  PROBLEM: {p}" for p in r["problems"]]

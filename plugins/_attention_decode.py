@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
-                               softmax_step, store_output)
+from ._attention_tiles import (LOG2E, as_cached_fp8, cache_tile_offsets, dot_precision,
+                               load_cached_tile, softmax_step, store_output)
 from . import _pdl
 from ._common import (FP8_DTYPE, TL_DTYPES, is_fp8, last_to_arrive, next_pow2, sm_count,
                       sync_counters)
@@ -94,14 +94,18 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
         for j0 in range(first, s_hi, BLOCK_N):
             k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, j0, D, BLOCK_N, dtype)
             m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
-    if IS_FP8:
-        acc = acc * tl.load(vs_ptr)
-    if split == NUM_SPLITS - 1:  # the step's own key (position `start`) comes from k_new
+    if split == NUM_SPLITS - 1:  # the step's own key (position `start`) comes from k_new,
+        # as the cache stores it (FP8: its codes, scaled like the cached tiles')
         k1 = tl.load(kn_ptr + b.to(tl.int64) * stride_kn + h * stride_knh + d, mask=d < D,
                      other=0.0)
         v1 = tl.load(vn_ptr + b.to(tl.int64) * stride_vn + h * stride_vnh + d, mask=d < D,
                      other=0.0)
-        m_i, l_i, acc = _own_key_step(q, k1, v1, qk_scale, m_i, l_i, acc)
+        if IS_FP8:
+            k1 = as_cached_fp8(k1, ks_ptr, dtype)
+            v1 = as_cached_fp8(v1, vs_ptr, dtype)
+        m_i, l_i, acc = _own_key_step(q, k1, v1, k_scale, m_i, l_i, acc)
+    if IS_FP8:
+        acc = acc * tl.load(vs_ptr)
     if NUM_SPLITS == 1:
         _gated_output(acc, l_i, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_mask, HQ, G,
                       D, ACT, OUT_FP8)
@@ -172,12 +176,13 @@ def _own_key_step(q, k1, v1, qk_scale, m_i, l_i, acc):
 def _gated_output(acc, total, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_mask,
                   HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ACT: tl.constexpr,
                   OUT_FP8: tl.constexpr):
-    """out[b, h*G + g] = acc / total * gate (0 for a row without keys), in ACT or FP8 codes."""
+    """out[b, h*G + g] = acc / total * gate[b, h*G + g] per element (0 for a row without
+    keys), in ACT or FP8 codes."""
     heads = h * G + g
-    gate = tl.load(gate_ptr + b * HQ + heads, mask=g < G, other=0.0)
-    o = acc / tl.where(total == 0.0, 1.0, total)[:, None] * gate[:, None]
-    store_output(out_ptr, (b * HQ + heads[:, None]).to(tl.int64) * D + d[None, :], o, gd_mask,
-                 out_scale_ptr, ACT, OUT_FP8)
+    offs = (b * HQ + heads[:, None]).to(tl.int64) * D + d[None, :]
+    gate = tl.load(gate_ptr + offs, mask=gd_mask, other=0.0).to(tl.float32)
+    o = acc / tl.where(total == 0.0, 1.0, total)[:, None] * gate
+    store_output(out_ptr, offs, o, gd_mask, out_scale_ptr, ACT, OUT_FP8)
 
 
 @triton.jit

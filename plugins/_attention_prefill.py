@@ -14,8 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._attention_tiles import (LOG2E, cache_tile_offsets, dot_precision, load_cached_tile,
-                               softmax_step, store_output)
+from ._attention_tiles import (LOG2E, as_cached_fp8, cache_tile_offsets, dot_precision,
+                               load_cached_tile, softmax_step, store_output)
 from ._common import FP8_DTYPE, is_fp8, next_pow2
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU; the interpreter gets small tiles so
@@ -39,10 +39,15 @@ def _find_sequence(cu_ptr, tile, B, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.cons
 
 @triton.jit
 def _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn, stride_vn, head_kn,
-              head_vn, j_lo, j_hi, p_last, d, window, qk_scale, D: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+              head_vn, j_lo, j_hi, p_last, d, window, qk_scale, ks_ptr, vs_ptr, D: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_FP8: tl.constexpr,
+              DOT_PREC: tl.constexpr):
     """Fold this chunk's keys j in [j_lo, j_hi) (k_new / v_new row first_row + j) into the
-    running softmax of the query tile. MASKED=False only for tiles that every row sees."""
+    running softmax of the query tile. MASKED=False only for tiles that every row sees. With
+    an FP8 cache the keys and values are taken as the cache stores them (their FP8 codes, and
+    the scales applied as to cached tiles), so a query sees its own chunk's keys exactly as a
+    later step reads them back: the result does not depend on where a prefix came from."""
+    dtype = q.dtype
     for j0 in range(j_lo, j_hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         valid = j <= p_last
@@ -54,6 +59,9 @@ def _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn, strid
                     other=0.0)
         v = tl.load(vn_ptr + rows[:, None] * stride_vn + head_vn + d[None, :], mask=kv_mask,
                     other=0.0)
+        if IS_FP8:
+            k = as_cached_fp8(k, ks_ptr, dtype)
+            v = as_cached_fp8(v, vs_ptr, dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         if MASKED:
             diff = pos[:, None] - j[None, :]
@@ -112,8 +120,6 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, out_scale_ptr, kc_
             visible = valid[None, :] & ((window == 0) | (pos[:, None] - j[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
             m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
-        if IS_FP8:
-            acc = acc * tl.load(vs_ptr)
         # This chunk's own keys. On full layers the tiles below the tile's first query are
         # visible to every row: no mask there, only on the diagonal tiles.
         new_lo = tl.maximum(lo, start)
@@ -123,14 +129,19 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, out_scale_ptr, kc_
         first_row = seq_lo - start  # k_new row of this chunk's position j: first_row + j
         m_i, l_i, acc = _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn,
                                   stride_vn, h * stride_knh, h * stride_vnh, new_lo, mid,
-                                  p_last, d, window, qk_scale, D, BLOCK_N, False, DOT_PREC)
+                                  p_last, d, window, k_scale, ks_ptr, vs_ptr, D, BLOCK_N, False,
+                                  IS_FP8, DOT_PREC)
         m_i, l_i, acc = _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn,
                                   stride_vn, h * stride_knh, h * stride_vnh, mid, p_last + 1,
-                                  p_last, d, window, qk_scale, D, BLOCK_N, True, DOT_PREC)
-        gate = tl.load(gate_ptr + (seq_lo + tok).to(tl.int64) * HQ + head, mask=row_ok, other=0.0)
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * gate[:, None]
-        store_output(out_ptr, q_rows[:, None] * D + d[None, :], o,
-                     row_ok[:, None] & (d[None, :] < D), out_scale_ptr, dtype, OUT_FP8)
+                                  p_last, d, window, k_scale, ks_ptr, vs_ptr, D, BLOCK_N, True,
+                                  IS_FP8, DOT_PREC)
+        if IS_FP8:  # every value was an FP8 code: one scale for all
+            acc = acc * tl.load(vs_ptr)
+        out_offs = q_rows[:, None] * D + d[None, :]
+        out_mask = row_ok[:, None] & (d[None, :] < D)
+        gate = tl.load(gate_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * gate
+        store_output(out_ptr, out_offs, o, out_mask, out_scale_ptr, dtype, OUT_FP8)
 
 
 def launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_start,

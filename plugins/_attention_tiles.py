@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import cast_rne
+from ._common import cast_rne, div_rn_by, to_e4m3
 from ._fp8_act import fp8_codes
 
 LOG2E = 1.4426950408889634
@@ -29,6 +29,14 @@ def load_cached_tile(cache_ptr, offs, head_off, d, valid, D: tl.constexpr, dtype
     mask = valid[:, None] & (d[None, :] < D)
     x = tl.load(cache_ptr + offs[:, None] + head_off + d[None, :], mask=mask, other=0.0)
     return x.to(dtype)
+
+
+@triton.jit
+def as_cached_fp8(x, scale_ptr, dtype: tl.constexpr):
+    """Rows of this step's own K or V as an FP8 cache stores them: the FP8 codes of
+    clamp(x / scale, ±448) (beam::cache_write's rule), as `dtype` tensor-core operands, which
+    the caller scales like a cached tile's."""
+    return to_e4m3(div_rn_by(x.to(tl.float32), tl.load(scale_ptr))).to(dtype)
 
 
 @triton.jit

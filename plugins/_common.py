@@ -198,11 +198,12 @@ def cast_rne(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-def sum_partials(y: torch.Tensor, dtype: torch.dtype,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
+def sum_partials(y: torch.Tensor, dtype: torch.dtype, weights: torch.Tensor | None = None,
+                 scale: float = 1.0) -> torch.Tensor:
     """y [T, N], or a split GEMM's partials [S, T, N] summed in order (or an MoE's per-slot
-    outputs weighted by weights [T, S], from 0) and rounded to dtype. The references of the
-    ops that take partials (add_rmsnorm, qk_prep); `summed_partials` is the kernels' twin."""
+    outputs weighted by weights [T, S], from 0, the FP32 sum times `scale`: the routed scale)
+    and rounded to dtype. The references of the ops that take partials (add_rmsnorm,
+    qk_prep); `summed_partials` is the kernels' twin."""
     if y.dim() == 2:
         return y
     if weights is None:
@@ -213,7 +214,7 @@ def sum_partials(y: torch.Tensor, dtype: torch.dtype,
     total = torch.zeros(y.shape[1:], dtype=torch.float32, device=y.device)
     for s, part in enumerate(y):
         total = total + part.float() * weights[:, s:s + 1]
-    return total.to(dtype)
+    return (total * scale).to(dtype)
 
 
 @triton.jit
@@ -237,7 +238,7 @@ def rows_times_weights(x_ptr, stride_x, w_ptr, stride_w, t, e, k_lo, k_hi, T, E,
     [BLOCK_T] < T and weight rows e [BLOCK_E] < E (both contiguous in k). x is taken in w's
     dtype (the router's FP32 weight upcasts it; a 16-bit weight of x's dtype multiplies as is):
     USE_DOT a tensor-core product (DOT_PREC for FP32 operands), else FP32 FMAs, for a few
-    tokens whose cost is reading w once (beam::group_router's logits, qk_prep's gate)."""
+    tokens whose cost is reading w once (beam::group_router's logits)."""
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w = weight_tile(w_ptr, stride_w, e, k0, k_hi, E, BLOCK_K)

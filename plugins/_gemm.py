@@ -43,10 +43,11 @@ def round_to(x, dtype: tl.constexpr):
 
 @triton.jit
 def silu_mul(gate, up, dtype: tl.constexpr):
-    """F.silu(gate) * up with the reference's roundings (gate, up, silu, product to dtype)."""
+    """silu(gate) * up with Beam's roundings: gate and up (the GEMM outputs) rounded to dtype,
+    silu and the product in FP32, rounded once (transformers' `act(gate.float()) * up.float()`)."""
     gate = round_to(gate, dtype)
     up = round_to(up, dtype)
-    return round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
+    return round_to(gate / (1.0 + tl.exp(-gate)) * up, dtype)
 
 
 @triton.jit

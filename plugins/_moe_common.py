@@ -4,9 +4,13 @@ expert (moe_align), the weighted combine and the launch configuration.
 Data flow of every MoE kernel (T tokens, k experts each, E experts, H hidden, I expert width):
 
     moe_align(topk_ids)  -> the sorted rows and their row blocks (plugins/_moe_sort.py)
-    gemm13  rows r:      h[r] = silu(x[slot // k] @ gate_e^T) * (x[slot // k] @ up_e^T)   [max_rows, I]
+    gemm13  rows r:      h[r] = rnd(silu(g) * u) in FP32, g = rnd(x[slot // k] @ gate_e^T),
+                         u = rnd(x[slot // k] @ up_e^T)                               [max_rows, I]
     gemm2   rows r:      y[slot] = h[r] @ down_e^T                                    [T*k, H]
-    combine:             out[t] = sum_j float(y[t*k+j]) * topk_weights[t, j]          [T, H]
+    combine:             out[t] = rnd(scale * sum_j float(y[t*k+j]) * topk_weights[t, j])  [T, H]
+
+`scale` is Beam's routed_scaling_factor, applied to the summed output (FP32, before the one
+rounding), as transformers' BeamMoE applies it after the experts' aggregation.
 
 For a few token-expert pairs (decode), the kernels skip the sort and give each pair its own
 row block ("direct" mode): no align launch, and each pair reads its expert once.
@@ -26,6 +30,7 @@ from ._checks import ACT_DTYPES, _expect, check_tensor
 from ._common import TL_DTYPES  # noqa: F401  (re-exported)
 from ._common import last_to_arrive, sync_counters
 from ._gemm import round_to
+from ._reference import swiglu
 from ._moe_sort import (  # noqa: F401  (re-exported)
     Routing, max_row_blocks, max_sorted_rows, plan_routing, routing_ptrs, tail_ptrs,
 )
@@ -75,19 +80,21 @@ def ref_moe(
     quant2: Callable[[torch.Tensor], torch.Tensor] | None = None,
     act_dtype: torch.dtype | None = None,
     per_slot: bool = False,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """reference.py's BeamMoE.forward given the routing; `expert(e)` returns that expert's
-    (w13 [2I, H], w2 [H, I]).
+    """transformers' BeamMoE given the routing, with the combine pinned by the spec (an FP32
+    sum of the weighted expert outputs times `scale`, rounded once); `expert(e)` returns that
+    expert's (w13 [2I, H], w2 [H, I]).
 
     Unquantized (no quantizers, weights in x.dtype): BeamMoE op for op. Quantized formats
     (weights decoded to FP32, quant13 / quant2 = the kernel's activation quantizers, identity
     for W4A16): the GEMMs run in FP32 on the exactly decoded values, as the tensor cores do,
-    and every module output (gate, up, silu, h, y) is rounded to x.dtype as in BeamMoE. With
+    and every module output (gate, up, h, y) is rounded to x.dtype as in BeamMoE. With
     FP32 activations this is BeamMoE on the decoded weights exactly; with BF16 it differs from
     a BF16 BeamMoE only by BeamMoE's own rounding of the decoded weights to BF16. `act_dtype`
     (default x.dtype) is the activations' dtype when x holds decoded FP8 codes in FP32.
     per_slot: instead, each (token, slot)'s expert output y [T, k, H] unweighted (see
-    `finish`)."""
+    `finish`; `scale` not applied)."""
     quantized = quant13 is not None
     act = act_dtype or x.dtype
     if per_slot:
@@ -95,19 +102,19 @@ def ref_moe(
     else:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
-        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        # the expert's pairs in BeamExperts' order (slot-major) and its fused gate/up GEMM:
+        # a CPU GEMM's rows depend on their place in the batch, so this keeps its bits
+        slot, token = (topk_ids.t() == e).nonzero(as_tuple=True)
         w13, w2 = expert(e)
-        inner = w13.shape[0] // 2
         xe = quant13(x[token].float()) if quantized else x[token]
-        gate = F.linear(xe, w13[:inner]).to(act)
-        up = F.linear(xe, w13[inner:]).to(act)
-        h = F.silu(gate) * up
+        gate, up = F.linear(xe, w13).to(act).chunk(2, dim=-1)
+        h = swiglu(gate, up)
         y = F.linear(quant2(h.float()) if quantized else h, w2).to(act)
         if per_slot:
             slots[token, slot] = y
         else:
             out.index_add_(0, token, y.float() * topk_weights[token, slot, None])
-    return slots if per_slot else out.to(act)
+    return slots if per_slot else (out * scale).to(act)
 
 
 def empty_output(x: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype,
@@ -117,7 +124,8 @@ def empty_output(x: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype,
     return torch.empty(shape, dtype=dtype, device=x.device)
 
 
-def fake_moe(x: torch.Tensor, topk_ids: torch.Tensor, *args, per_slot: bool = False):
+def fake_moe(x: torch.Tensor, topk_ids: torch.Tensor, *args, per_slot: bool = False,
+             scale: float = 1.0):
     return empty_output(x, topk_ids, x.dtype, per_slot)
 
 
@@ -186,10 +194,10 @@ def block_rows(pid_m, ids_ptr, sorted_ptr, block_expert_ptr, numel, DIRECT: tl.c
 
 # ---------------------------------------------------------------------------- combine
 @triton.jit
-def combine_row(y_ptr, w_ptr, out_ptr, row, cols, mask, H, TOP_K: tl.constexpr):
-    """out[row, cols] = sum_j float(y[row*TOP_K + j, cols]) * w[row, j], in slot order, FP32,
-    rounded once (unrolled: the slots' loads all in flight at once; y read from L2, as the
-    fused combine reads other programs' stores)."""
+def combine_row(y_ptr, w_ptr, out_ptr, row, cols, mask, H, scale, TOP_K: tl.constexpr):
+    """out[row, cols] = scale * sum_j float(y[row*TOP_K + j, cols]) * w[row, j], in slot
+    order, FP32, rounded once (unrolled: the slots' loads all in flight at once; y read from
+    L2, as the fused combine reads other programs' stores)."""
     row = row.to(tl.int64)
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
@@ -198,13 +206,13 @@ def combine_row(y_ptr, w_ptr, out_ptr, row, cols, mask, H, TOP_K: tl.constexpr):
                     cache_modifier=".cg")
         acc += y.to(tl.float32) * weight
     dtype: tl.constexpr = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * H + cols, round_to(acc, dtype).to(dtype), mask=mask)
+    tl.store(out_ptr + row * H + cols, round_to(acc * scale, dtype).to(dtype), mask=mask)
 
 
 @triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(y_ptr, w_ptr, out_ptr, H, scale, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    combine_row(y_ptr, w_ptr, out_ptr, tl.program_id(0), cols, cols < H, H, TOP_K)
+    combine_row(y_ptr, w_ptr, out_ptr, tl.program_id(0), cols, cols < H, H, scale, TOP_K)
 
 
 # The down GEMM of direct pairs can combine as well, sparing the combine launch and its gap:
@@ -214,12 +222,12 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.c
 # counter back to zero for the next launch.
 @triton.jit
 def combine_if_last(y_ptr, w_ptr, out_ptr, tickets_ptr, token, tile, num_tiles, cols, mask,
-                    H, TOP_K: tl.constexpr):
+                    H, scale, TOP_K: tl.constexpr):
     """After this program stored y[token*TOP_K + j, cols] for its slot j: the combine of
     out[token, cols] if it is the last of the token's TOP_K slots to do so."""
     ticket = tickets_ptr + token * num_tiles + tile
     if last_to_arrive(ticket, TOP_K):  # (all of this program's y stores precede its ticket)
-        combine_row(y_ptr, w_ptr, out_ptr, token, cols, mask, H, TOP_K)
+        combine_row(y_ptr, w_ptr, out_ptr, token, cols, mask, H, scale, TOP_K)
         tl.atomic_xchg(ticket, 0)
 
 
@@ -285,23 +293,27 @@ def overlap_launch(overlap, device: torch.device, group_m: int, gated: bool):
     return (*overlap, dict(GROUP_M=1, OVERLAP=True, PDL=pdl, **launch))
 
 
-def finish(y: torch.Tensor, topk_weights: torch.Tensor, t: int, per_slot: bool) -> torch.Tensor:
+def finish(y: torch.Tensor, topk_weights: torch.Tensor, t: int, per_slot: bool,
+           scale: float = 1.0) -> torch.Tensor:
     """The down GEMM's per-slot outputs y [T*k, H] (row t*k + j: token t's j-th expert,
     unweighted) -> the op's output: combined [T, H], or with per_slot y itself as [T, k, H]
-    for a consumer that adds them (beam::add_rmsnorm's y_weights; no combine launch)."""
+    for a consumer that adds them and applies `scale` (beam::add_rmsnorm's y_weights and
+    y_scale; no combine launch)."""
     if per_slot:
         return y.view(t, topk_weights.shape[1], y.shape[1])
-    return combine(y, topk_weights, t)
+    return combine(y, topk_weights, t, scale)
 
 
-def combine(y: torch.Tensor, topk_weights: torch.Tensor, t: int) -> torch.Tensor:
-    """y [T*k, H] (x dtype) -> out [T, H]: sum_j float(y[t*k+j]) * w[t, j], FP32, rounded once."""
+def combine(y: torch.Tensor, topk_weights: torch.Tensor, t: int,
+            scale: float = 1.0) -> torch.Tensor:
+    """y [T*k, H] (x dtype) -> out [T, H]: scale * sum_j float(y[t*k+j]) * w[t, j], FP32,
+    rounded once."""
     h = y.shape[1]
     out = torch.empty((t, h), dtype=y.dtype, device=y.device)
     if t:
         block_h = min(1024, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, block_h))](y, topk_weights.contiguous(), out, h,
-                                                     TOP_K=topk_weights.shape[1],
+                                                     scale, TOP_K=topk_weights.shape[1],
                                                      BLOCK_H=block_h, num_warps=4)
     return out
 

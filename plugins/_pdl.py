@@ -27,8 +27,8 @@ from .registry import triton_interpreted
 # Where the decode chain may launch a kernel early: the `link` of `launch_early`. On by
 # default: the split FP8 GEMMs (q/k/v behind the boundary norm, o_proj behind the attention's
 # combine), the whole-row norms (behind o_proj, the MoE's down GEMM, a dense layer's GEMMs),
-# the router's logits GEMV (its weights read before its wait), qk_prep (its angles and the
-# gate's weight rows before its wait) and the attention's split and combine (the split's
+# the router's logits GEMV (its weights read before its wait), qk_prep (its angles before its
+# wait) and the attention's split and combine (the split's
 # first K/V tile before its wait).
 # FOLDS: kernels of the chain that can be folded into the kernel before them, whose last
 # program to finish then does their work (counted with `_common.sync_counters`' tickets): the

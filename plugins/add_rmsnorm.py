@@ -1,8 +1,8 @@
 """beam::add_rmsnorm — one sublayer boundary in one launch: post-norm, depth-scaled residual
 add, next pre-norm.
 
-    y_n = RMSNorm(y; w_post)                       rounded to y's dtype (as the reference does)
-    h'  = a * h + b * y_n                          FP32 math, rounded to h's dtype
+    y_n = RMSNorm(y; w_post)                       rounded to y's dtype
+    h'  = rnd(rnd(b * y_n) + rnd(a * h))           in h's dtype (transformers' rounding points)
     x   = RMSNorm(h'; w_pre)                       of the rounded h', cast to h's dtype
 
 Shapes / dtypes: h [T, H], y [T, H] (fp32, bf16 or fp16, the same dtype), w_post [H],
@@ -10,11 +10,12 @@ w_pre [H]; a, b, eps python floats -> (h' [T, H], x [T, H]) in h's dtype.
 y may also be [S, T, H] partials (any token stride): FP32 partial sums (beam::linear_fp8's
 split_k output), y = their sum in order (y[0] + y[1] + ...) rounded to h's dtype, as the
 split GEMM's own output would be; or, with y_weights [T, S] FP32, an MoE's per-slot expert
-outputs (beam::moe_*(..., per_slot=True), transposed to [k, T, H]): y = sum_s y_weights[t, s]
-* float(y[s, t]) from 0 in order, rounded once, as the MoE's combine does. The whole-row
+outputs (beam::moe_*(..., per_slot=True), transposed to [k, T, H]): y = y_scale * sum_s
+y_weights[t, s] * float(y[s, t]) (from 0 in order, FP32), rounded once, as the MoE's combine
+does (y_scale: the routed scaling factor, on the summed output). The whole-row
 kernel adds them as it loads y (no reduction launch); the chunked one gets them summed first.
 Contract: functional, returns two new tensors (no out=; h is not updated in place).
-Matches `reference.residual_add(h, rms_norm(y, w_post), a, b)` followed by
+Matches `_reference.residual_add(h, rms_norm(y, w_post), a, b)` followed by
 `rms_norm(h', w_pre)`; for the last layer w_pre is `model.norm.weight`. CUDA-graph safe.
 Bytes moved: 4·T·H·sizeof(dtype) (read h, y; write h', x). Two kernels: the whole row in one
 tile for a few rows (decode), the row in chunks for many (prefill; see CHUNKED).
@@ -30,12 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from beam_trtllm.reference import residual_add, rms_norm
-
 from ._common import (FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2,
                       sum_partials, summed_partials)
 from ._fp8_act import fp8_codes, load_fp8_scale
 from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
+from ._reference import residual_add, rms_norm
 from .registry import dispatch, register
 from .rmsnorm import row_launch_params
 
@@ -49,18 +49,20 @@ def adds_partials(t: int) -> bool:
 
 
 @register(OP, "reference")
-def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float, *, y_weights=None):
-    y = sum_partials(y, h.dtype, y_weights)
+def ref_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float, *, y_weights=None,
+                    y_scale: float = 1.0):
+    y = sum_partials(y, h.dtype, y_weights, y_scale)
     h_new = residual_add(h, rms_norm(y, w_post, eps), a, b)
     return h_new, rms_norm(h_new, w_pre, eps)
 
 
 @triton.jit
 def _residual(h, y, inv_rms_y, w_post, a, b, y_dtype: tl.constexpr, dtype: tl.constexpr):
-    """h' = a * h + b * RMSNorm(y; w_post) with the reference's roundings: the post-norm to
-    y's dtype, h' to the stream's (FP32 in, h' returned in dtype)."""
+    """h' = rnd(rnd(b * y_n) + rnd(a * h)), y_n = RMSNorm(y; w_post) rounded to y's dtype:
+    transformers' roundings (FP32 in, h' returned in dtype)."""
     y_n = cast_rne(y * inv_rms_y * w_post, y_dtype).to(tl.float32)
-    return cast_rne(a * h + b * y_n, dtype)
+    scaled_y = cast_rne(b * y_n, dtype).to(tl.float32)
+    return cast_rne(scaled_y + cast_rne(a * h, dtype).to(tl.float32), dtype)
 
 
 @triton.jit
@@ -77,13 +79,14 @@ def _store_x(x_ptrs, q_ptrs, x_scale, h_new, inv_rms_h, w_pre, mask, dtype: tl.c
 @triton.jit
 def _add_rmsnorm_kernel(h_ptr, y_ptr, yw_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, q_ptr, qs_ptr,
                         T, stride_h, stride_y, stride_ys, stride_yw, stride_ho, stride_x, stride_q,
-                        H, a, b, eps, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                        H, a, b, eps, y_scale, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                         STAGES: tl.constexpr, QUANT: tl.constexpr, PARTIALS: tl.constexpr,
                         WEIGHTED: tl.constexpr, PDL: tl.constexpr):
     # Persistent over tiles of ROWS rows, like beam::rmsnorm's kernel. QUANT: also the FP8
     # codes of the rounded x with the static scale at qs_ptr (beam::add_rmsnorm_fp8).
     # PARTIALS > 0: y holds that many partials stride_ys apart, added in order (WEIGHTED: each
-    # times its row's weight at yw_ptr, from 0) and rounded to h's dtype (0: y is y).
+    # times its row's weight at yw_ptr, from 0, the sum times y_scale) and rounded to h's
+    # dtype (0: y is y).
     # PDL (the decode chain, _pdl.py): launched while the kernel before it runs, it loads the
     # norm weights, lets the next kernel launch and waits for h and y (PDL 2, the default:
     # waits, then lets the next one launch, which so does not sit on the SMs beside the GEMM
@@ -106,7 +109,7 @@ def _add_rmsnorm_kernel(h_ptr, y_ptr, yw_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
                 w = tl.load(yw_ptr + rows * stride_yw + part, mask=rows < T, other=0.0)
                 y += tl.load(y_ptr + part * stride_ys + rows * stride_y + cols, mask=mask,
                              other=0.0).to(tl.float32) * w
-            y = cast_rne(y, dtype).to(tl.float32)
+            y = cast_rne(y * y_scale, dtype).to(tl.float32)
         else:
             y = summed_partials(y_ptr + rows * stride_y + cols, mask, stride_ys, PARTIALS, dtype)
         y_dtype: tl.constexpr = dtype if PARTIALS > 0 else y_ptr.dtype.element_ty
@@ -165,11 +168,12 @@ CHUNKED = dict(min_rows=1024, CHUNK=1024, num_warps=8)
 
 
 def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
-                     x_scale: torch.Tensor | None = None, y_weights: torch.Tensor | None = None):
+                     x_scale: torch.Tensor | None = None, y_weights: torch.Tensor | None = None,
+                     y_scale: float = 1.0):
     """Launcher of the kernels -> (h', x, FP8 codes of x with x_scale, or None)."""
     t, hidden = h.shape
     if y.dim() == 3 and not adds_partials(t):  # (the engine hands over partials for few rows)
-        y, y_weights = sum_partials(y, h.dtype, y_weights), None
+        y, y_weights = sum_partials(y, h.dtype, y_weights, y_scale), None
     partials = y.shape[0] if y.dim() == 3 else 0
     yw = y_weights if y_weights is not None else y  # unread unless WEIGHTED
     h_new, x = torch.empty_like(h), torch.empty_like(h)
@@ -187,17 +191,20 @@ def add_rmsnorm_rows(h, y, w_post, w_pre, a: float, b: float, eps: float,
         _add_rmsnorm_kernel[(grid,)](
             h, y, yw, w_post, w_pre, h_new, x, quant[0], quant[1], t, h.stride(0), y.stride(-2),
             y.stride(0) if partials else 0, yw.stride(0), h_new.stride(0), x.stride(0),
-            quant[2], hidden, a, b, eps, QUANT=q is not None, PARTIALS=partials,
+            quant[2], hidden, a, b, eps, y_scale, QUANT=q is not None, PARTIALS=partials,
             WEIGHTED=y_weights is not None, PDL=pdl, **p, **launch_early(h.device, "norm"))
     return h_new, x, q
 
 
 @register(OP, "triton")
-def _launch_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float, *, y_weights=None):
-    return add_rmsnorm_rows(h, y, w_post, w_pre, a, b, eps, y_weights=y_weights)[:2]
+def _launch_add_rmsnorm(h, y, w_post, w_pre, a: float, b: float, eps: float, *, y_weights=None,
+                        y_scale: float = 1.0):
+    return add_rmsnorm_rows(h, y, w_post, w_pre, a, b, eps, y_weights=y_weights,
+                            y_scale=y_scale)[:2]
 
 
-def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP, y_weights=None) -> None:
+def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP, y_weights=None,
+                      y_scale: float = 1.0) -> None:
     check_tensor(op, "h", h, ndim=2, dtypes=FLOAT_DTYPES)
     if y.dim() == 3:  # partials of y: FP32 sums, or weighted per-slot outputs
         dtypes = (torch.float32,) if y_weights is None else FLOAT_DTYPES
@@ -214,6 +221,8 @@ def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP, y_weights=None) -> None
         check(y_weights is None, op, "y_weights needs y as partials [S, T, H]")
         check_tensor(op, "y", y, ndim=2, dtypes=(h.dtype,), device=h.device)
         check(y.shape == h.shape, op, f"y {tuple(y.shape)} must have h's shape {tuple(h.shape)}")
+    check(y_scale == 1.0 or y_weights is not None, op,
+          f"y_scale {y_scale} scales a weighted sum of partials: it needs y_weights")
     for name, w in (("w_post", w_post), ("w_pre", w_pre)):
         check_tensor(op, name, w, ndim=1, dtypes=FLOAT_DTYPES, device=h.device)
         check(w.shape[0] == h.shape[1], op,
@@ -224,13 +233,14 @@ def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP, y_weights=None) -> None
 
 @torch.library.custom_op("beam::add_rmsnorm", mutates_args=())
 def add_rmsnorm(h: torch.Tensor, y: torch.Tensor, w_post: torch.Tensor, w_pre: torch.Tensor,
-                a: float, b: float, eps: float, y_weights: Optional[torch.Tensor] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_add_rmsnorm(h, y, w_post, w_pre, y_weights=y_weights)
-    return dispatch(OP, h.device, h, y, w_post, w_pre, a, b, eps, y_weights=y_weights)
+                a: float, b: float, eps: float, y_weights: Optional[torch.Tensor] = None,
+                y_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    check_add_rmsnorm(h, y, w_post, w_pre, y_weights=y_weights, y_scale=y_scale)
+    return dispatch(OP, h.device, h, y, w_post, w_pre, a, b, eps, y_weights=y_weights,
+                    y_scale=y_scale)
 
 
 @add_rmsnorm.register_fake
-def _(h, y, w_post, w_pre, a, b, eps, y_weights=None):
-    check_add_rmsnorm(h, y, w_post, w_pre, y_weights=y_weights)
+def _(h, y, w_post, w_pre, a, b, eps, y_weights=None, y_scale=1.0):
+    check_add_rmsnorm(h, y, w_post, w_pre, y_weights=y_weights, y_scale=y_scale)
     return torch.empty_like(h), torch.empty_like(h)

@@ -12,10 +12,14 @@ Full layer: cache_index is the block table (paged). Sliding layer: one ring row 
     score(p, j) = q_p · k_j / sqrt(D)
     visible iff hist_start <= j <= p and (window == 0 or p - j < window)
     o_p,h = softmax_j(score) · V,   query head h reads KV head h // (Hq / Hkv)
-    out[t, h·D:(h+1)·D] = o_t,h * gate[t, h]
+    out[t, h·D:(h+1)·D] = rnd(o_t,h * gate[t, h])         the output gate, per element
 
-Shapes / dtypes: q [T, Hq, D], k_new / v_new [T, Hkv, D] (fp32, bf16, fp16; one dtype);
-gate [T, Hq] fp32; k_cache / v_cache [N, bs, Hkv, D] (q's dtype or float8_e4m3fn, where the
+With an FP8 cache, this step's own keys and values enter as the cache stores them (the FP8
+codes of clamp(x / scale, ±448), times the scale): a query sees its chunk's keys exactly as a
+later step reads them back, so no result depends on whether a prefix was cached.
+
+Shapes / dtypes: q [T, Hq, D], k_new / v_new [T, Hkv, D], gate [T, Hq, D] (= beam::qk_prep's
+rnd(sigmoid(rnd(g + gate_bias)))) (fp32, bf16, fp16; one dtype); k_cache / v_cache [N, bs, Hkv, D] (q's dtype or float8_e4m3fn, where the
 value is entry * k_scale / v_scale); cu_seqlens_q [B+1], q_start [B], hist_start [B],
 cache_index [B, M] int32; window int (0 = full); k_scale, v_scale fp32 []; out_scale fp32 []
 or None -> out [T, Hq·D] in q's dtype, or with out_scale the float8_e4m3fn codes
@@ -24,8 +28,8 @@ its W8A8 GEMM (beam::linear_fp8 on FP8 input) needs no quantizer launch of its o
 Contract: functional, returns a new tensor; reads the caches only. Every sequence has at
 least one query token (so T == B means a pure decode step: the split-KV kernel runs; any
 other T takes the tiled prefill kernel). hist_start <= q_start. On sliding layers the cache
-must hold the `window - 1` positions before q_start (DESIGN.md §3). FP32 softmax; matches
-`reference.BeamAttention.forward`. CUDA-graph safe: the grid depends on shapes only.
+must hold the `window - 1` positions before q_start (DESIGN.md §3). FP32 softmax
+(transformers' BeamAttention, with FP32 scores and P·V). CUDA-graph safe: the grid depends on shapes only.
 """
 
 from __future__ import annotations
@@ -36,12 +40,12 @@ from typing import Optional
 import torch
 
 from beam_trtllm.quant_formats import quantize_fp8_activation
-from beam_trtllm.reference import attention_mask
 
 from ._attention_decode import launch_decode
 from ._attention_prefill import launch_prefill
 from ._common import (FLOAT_DTYPES, FP8_DTYPE, check, check_cache_pair, check_tensor, from_cache,
-                      is_fp8)
+                      is_fp8, to_cache)
+from ._reference import attention_mask
 from .registry import dispatch, register
 
 OP = "attention"
@@ -49,14 +53,19 @@ OP = "attention"
 
 def attend(q, k, v, visible, gate) -> torch.Tensor:
     """FP32 attention of one sequence as the reference layer computes it.
-    q [n, Hq, D], k / v [m, Hkv, D], visible [n, m] bool, gate [n, Hq] -> [n, Hq, D] FP32."""
+    q [n, Hq, D], k / v [m, Hkv, D], visible [n, m] bool, gate [n, Hq, D] -> [n, Hq, D] FP32."""
     rep = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~visible[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, vf) * gate[..., None]
+    return torch.einsum("hqk,khd->qhd", probs, vf) * gate.float()
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """FP32 values of this step's K or V as the cache will return them (FP8: round trip)."""
+    return from_cache(to_cache(x, cache_dtype, scale), scale) if is_fp8(cache_dtype) else x.float()
 
 
 @register(OP, "reference")
@@ -79,8 +88,8 @@ def ref_attention(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start
         q_pos = torch.arange(start, start + hi - lo, device=q.device)
         k_pos = torch.cat([cached, q_pos])
         visible = attention_mask(q_pos[None], k_pos[None], window or None)[0]
-        k_all = torch.cat([k_old, k_new[lo:hi].float()])
-        v_all = torch.cat([v_old, v_new[lo:hi].float()])
+        k_all = torch.cat([k_old, as_cached(k_new[lo:hi], k_cache.dtype, k_scale)])
+        v_all = torch.cat([v_old, as_cached(v_new[lo:hi], v_cache.dtype, v_scale)])
         o = attend(q[lo:hi], k_all, v_all, visible, gate[lo:hi])
         out[lo:hi] = o.to(q.dtype).flatten(1)
     return out if out_scale is None else quantize_fp8_activation(out, out_scale)
@@ -109,9 +118,9 @@ def _check(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_
     check(v_new.shape == k_new.shape, OP, "k_new and v_new shapes differ")
     hkv = k_new.shape[1]
     check(hq % hkv == 0, OP, f"{hq} query heads are not a multiple of {hkv} KV heads")
-    check_tensor(OP, "gate", gate, ndim=2, dtypes=(torch.float32,), device=dev)
-    check(tuple(gate.shape) == (t, hq) and gate.is_contiguous(), OP,
-          f"gate must be contiguous [{t}, {hq}], got {tuple(gate.shape)}")
+    check_tensor(OP, "gate", gate, ndim=3, dtypes=(q.dtype,), device=dev)
+    check(tuple(gate.shape) == (t, hq, d) and gate.is_contiguous(), OP,
+          f"gate must be contiguous [{t}, {hq}, {d}], got {tuple(gate.shape)}")
     check_cache_pair(OP, k_cache, v_cache, k_scale, v_scale, dev)
     check(tuple(k_cache.shape[2:]) == (hkv, d), OP,
           f"k_cache rows {tuple(k_cache.shape[2:])} must be [Hkv, D] = ({hkv}, {d})")

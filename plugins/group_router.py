@@ -7,33 +7,32 @@
     group_score[g] = sum of the 2 largest sb of group g (n_group contiguous groups)
     keep the topk_group groups with the largest group_score
     ids = the k experts with the largest sb among the kept groups, ordered by sb descending
-    w   = s[ids];  w = w / sum(w) if renormalize;  w = w * routed_scaling_factor
+    w   = s[ids];  w = w / (sum(w) + 1e-20) if renormalize
+(the routed scaling factor multiplies the MoE's summed output, not these weights)
 
 Shapes / dtypes: x [T, H] (fp32, bf16, fp16), weight [E, H] fp32, bias [E] fp32; n_group,
-topk_group, k ints; routed_scaling_factor float; renormalize bool
+topk_group, k ints; renormalize bool
 -> (topk_ids [T, k] int32, topk_weights [T, k] fp32).
 Contract: functional, returns two new tensors. Equal scores break toward the lower expert id.
-Matches `reference.route` (which returns int64 ids). CUDA-graph safe: two launches (an FP32
-GEMV/GEMM for the logits, then one program per token for the selection). In the decode chain
-(_pdl.py) the few-token GEMV reads its weights before waiting for x (`PRELOAD`, the "router"
-link), and its last program to store its logits does the selection (the "select" fold: one
-launch, the same bits; a ticket per token block from `_common.sync_counters`).
+Matches `_reference.route` (transformers' BeamTopKRouter; int64 ids there). CUDA-graph
+safe: two launches (an FP32 GEMV/GEMM for the logits, then one program per token for the
+selection). In the decode chain (_pdl.py) the few-token GEMV reads its weights before waiting
+for x (`PRELOAD`, the "router" link), and its last program to store its logits does the
+selection (the "select" fold: one launch, the same bits; a ticket per token block from
+`_common.sync_counters`).
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import torch
 import triton
 import triton.language as tl
 
-from beam_trtllm.reference import route
-
 from . import _pdl
 from ._common import (FLOAT_DTYPES, check, check_tensor, last_to_arrive, next_pow2,
                       rows_times_weights_after_wait, sync_counters)
 from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
+from ._reference import route
 from .registry import dispatch, register
 
 OP = "group_router"
@@ -41,18 +40,14 @@ OP = "group_router"
 
 @register(OP, "reference")
 def ref_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
-                     routed_scaling_factor: float, renormalize: bool):
-    e = weight.shape[0]
-    cfg = SimpleNamespace(n_group=n_group, experts_per_group=e // n_group, topk_group=topk_group,
-                          num_experts_per_tok=k, norm_topk_prob=renormalize,
-                          routed_scaling_factor=routed_scaling_factor)
-    ids, weights = route(x, weight, bias, cfg)
+                     renormalize: bool):
+    ids, weights = route(x, weight, bias, n_group, topk_group, k, renormalize)
     return ids.to(torch.int32), weights
 
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tickets_ptr, bias_ptr, ids_ptr, weights_ptr,
-                          scale, T, E, H, stride_x, BLOCK_T: tl.constexpr,
+                          T, E, H, stride_x, BLOCK_T: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
                           USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
                           PRELOAD: tl.constexpr, FOLD_SELECT: tl.constexpr, NG: tl.constexpr,
@@ -82,7 +77,7 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, tickets_ptr, bias_ptr, ids_ptr,
             for i in range(BLOCK_T):
                 token = tl.program_id(1) * BLOCK_T + i
                 if token < T:
-                    _select_experts(out_ptr, bias_ptr, ids_ptr, weights_ptr, scale, T * E,
+                    _select_experts(out_ptr, bias_ptr, ids_ptr, weights_ptr, T * E,
                                     token.to(tl.int64), E, NG, EPG, TOPK_GROUP, K, RENORM,
                                     SPLIT, NG_P2, EPG_P2, K_P2)
             tl.atomic_xchg(ticket, 0)  # for the next launch
@@ -116,19 +111,19 @@ def _key_index(key, INDEX_BITS: tl.constexpr):
 
 
 @triton.jit
-def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, split_stride,
+def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, split_stride,
                           E: tl.constexpr, NG: tl.constexpr, EPG: tl.constexpr,
                           TOPK_GROUP: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
                           SPLIT: tl.constexpr, NG_P2: tl.constexpr, EPG_P2: tl.constexpr,
                           K_P2: tl.constexpr, PDL: tl.constexpr):
     wait_for_inputs(PDL)  # (the decode chain: launched while the logits kernel runs)
-    _select_experts(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, split_stride,
+    _select_experts(logits_ptr, bias_ptr, ids_ptr, weights_ptr, split_stride,
                     tl.program_id(0).to(tl.int64), E, NG, EPG, TOPK_GROUP, K, RENORM, SPLIT,
                     NG_P2, EPG_P2, K_P2)
 
 
 @triton.jit
-def _select_experts(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, split_stride, t, E,
+def _select_experts(logits_ptr, bias_ptr, ids_ptr, weights_ptr, split_stride, t, E,
                     NG: tl.constexpr, EPG: tl.constexpr,
                     TOPK_GROUP: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
                     SPLIT: tl.constexpr, NG_P2: tl.constexpr, EPG_P2: tl.constexpr,
@@ -168,9 +163,9 @@ def _select_experts(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scale, split_str
     flat = (picks // EPG) * EPG_P2 + picks % EPG
     chosen_w = tl.where(slots < K, tl.gather(tl.reshape(s, [NG_P2 * EPG_P2]), flat, 0), 0.0)
     if RENORM:
-        chosen_w = tl.math.div_rn(chosen_w, tl.sum(chosen_w, axis=0))
+        chosen_w = tl.math.div_rn(chosen_w, tl.sum(chosen_w, axis=0) + 1e-20)
     tl.store(ids_ptr + t * K + slots, picks, mask=slots < K)
-    tl.store(weights_ptr + t * K + slots, chosen_w * scale, mask=slots < K)
+    tl.store(weights_ptr + t * K + slots, chosen_w, mask=slots < K)
 
 
 # Logits kernel shapes: for a few tokens a GEMV over experts (and channels: SPLIT), since
@@ -192,7 +187,7 @@ def logits_launch_params(t: int) -> dict:
 
 @register(OP, "triton")
 def _launch_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
-                         routed_scaling_factor: float, renormalize: bool):
+                         renormalize: bool):
     t, h = x.shape
     e = weight.shape[0]
     ids = x.new_empty(t, k, dtype=torch.int32)
@@ -211,10 +206,10 @@ def _launch_group_router(x, weight, bias, n_group: int, topk_group: int, k: int,
     select = dict(NG=n_group, EPG=epg, TOPK_GROUP=topk_group, K=k, RENORM=renormalize,
                   NG_P2=next_pow2(n_group), EPG_P2=next_pow2(epg), K_P2=next_pow2(k))
     _router_logits_kernel[grid](x, weight, logits, tickets, bias, ids, weights,
-                                routed_scaling_factor, t, e, h, x.stride(0), PDL=pdl,
+                                t, e, h, x.stride(0), PDL=pdl,
                                 PRELOAD=preload, FOLD_SELECT=fold, **select, **p, **early)
     if not fold:
-        _router_select_kernel[(t,)](logits, bias, ids, weights, routed_scaling_factor, t * e,
+        _router_select_kernel[(t,)](logits, bias, ids, weights, t * e,
                                     E=e, SPLIT=p["SPLIT"], PDL=pdl,
                                     num_warps=1 if e <= 256 else 4, **select, **early)
     return ids, weights
@@ -238,15 +233,14 @@ def _check(x, weight, bias, n_group: int, topk_group: int, k: int) -> None:
 
 @torch.library.custom_op("beam::group_router", mutates_args=())
 def group_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int,
-                 topk_group: int, k: int, routed_scaling_factor: float,
-                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 topk_group: int, k: int, renormalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, weight, bias, n_group, topk_group, k)
-    return dispatch(OP, x.device, x, weight, bias, n_group, topk_group, k,
-                    routed_scaling_factor, renormalize)
+    return dispatch(OP, x.device, x, weight, bias, n_group, topk_group, k, renormalize)
 
 
 @group_router.register_fake
-def _(x, weight, bias, n_group, topk_group, k, routed_scaling_factor, renormalize):
+def _(x, weight, bias, n_group, topk_group, k, renormalize):
     _check(x, weight, bias, n_group, topk_group, k)
     t = x.shape[0]
     return x.new_empty(t, k, dtype=torch.int32), x.new_empty(t, k, dtype=torch.float32)

@@ -35,6 +35,7 @@ from beam_trtllm.quant_formats import dequantize_fp8, quantize_fp8_activation
 
 from ._checks import (ACT_DTYPES, _expect, check_device, check_linear_x, check_out_dtype,
                       check_tensor)
+from ._common import sm_count as device_sms
 from ._fp8_act import quant_fp8_per_tensor
 from ._gemm import gemm_loop, round_to, tile_of, unswap
 from ._moe_common import GemmConfig
@@ -153,20 +154,33 @@ def _scaled_mm(xq, weight, weight_scale, input_scale, out_dtype):
                             scale_b=weight_scale.view(1, n), out_dtype=out_dtype)
 
 
-# A split call's tile: 128-deep K steps, 6 stages (60 KB of shared memory: three programs an
-# SM, so the 160 programs of o_proj split in two fitted one wave where the 256-deep default's
-# 120 KB left 28 for a second: 15.7 against 13.7 us unsplit in the engine; the three-way split
-# runs 240). H200 sweep, bench/decode_sweep.py --only linear_split (two splits): 10.55 us (128
-# deep, 6 stages), 10.90 (256, 4), 11.48 (32-row tiles).
-SPLIT_CONFIG = GemmConfig(16, 64, 128, 4, 6, swap=True)
+# Few-token (M <= 64) FP8 tiles, weights on the MMA's M side (H200 sweeps, bench/decode_sweep.py
+# --only linear,linear_split with the weights out of L2):
+# - "split": a split call's tile, 256-deep K steps, 4 stages (80 KB of shared memory: two
+#   programs an SM, the 240 programs of o_proj split three ways in one wave): in the engine
+#   bench's decode chain 0.7-1.6 us off each MoE layer against 128-deep, 6 stages
+#   (2026-12-01, H200, --chain-ab 'default;default|split=16,64,256,4,4');
+# - "wide": an unsplit call with more 64-row tiles than SMs, the same 60 KB tile so that three
+#   fit an SM in one wave: the canonical q/k/v/gate [14336 x 5120] (224 tiles) 19.3 us, 89.6%
+#   of copy, where linear_config's 256-deep tile (one an SM: two waves) took over 20.6
+#   (2026-12-01); fewer tiles than SMs keep linear_config's deeper tile.
+SPLIT_CONFIG = GemmConfig(16, 64, 256, 4, 4, swap=True)
+WIDE_CONFIG = GemmConfig(16, 64, 128, 4, 6, swap=True)
+DECODE_TILES = dict(split=SPLIT_CONFIG, wide=WIDE_CONFIG)  # (bench/ A/Bs swap entries)
 
 
-def _config(m: int, n: int, k: int, config=None, split_k: int = 1):
+def _config(m: int, n: int, k: int, device, config=None, split_k: int = 1):
     if config is not None:
         return config
     if split_k > 1:
-        return SPLIT_CONFIG
-    return tuned_linear(OP, m, n, k) or linear_config(m, 1)
+        return DECODE_TILES["split"]
+    tuned = tuned_linear(OP, m, n, k)
+    if tuned is not None:
+        return tuned
+    wide = DECODE_TILES["wide"]
+    if m <= 64 and device.type == "cuda" and triton.cdiv(n, wide.block_n) > device_sms(device):
+        return wide
+    return linear_config(m, 1)
 
 
 MAX_DECODE_SPLITS = 3
@@ -174,7 +188,7 @@ MAX_DECODE_SPLITS = 3
 
 def decode_split_k(m: int, n: int, k: int, sm_count: int) -> int:
     """Splits of K for a few-token call whose consumer adds partial sums (see the module
-    docstring): the most, up to MAX_DECODE_SPLITS, whose programs (SPLIT_CONFIG's tiles times
+    docstring): the most, up to MAX_DECODE_SPLITS, whose programs (the split tile's tiles times
     the splits) number at most two an SM, so that they run in one wave, with each split keeping
     >= 2048 channels; else 1. At M = 1 on the H200: o_proj [5120 x 6144] (80 tiles) takes 3,
     8.9 us launched early against 9.5 with 2 (bench/preload_gemv_probe.py --shipped, session
@@ -182,7 +196,8 @@ def decode_split_k(m: int, n: int, k: int, sm_count: int) -> int:
     (128 tiles) takes 2, 12.2 us against 13.4 unsplit."""
     if m > SMALL_M:
         return 1
-    tiles = triton.cdiv(m, SPLIT_CONFIG.block_m) * triton.cdiv(n, SPLIT_CONFIG.block_n)
+    split = DECODE_TILES["split"]
+    tiles = triton.cdiv(m, split.block_m) * triton.cdiv(n, split.block_n)
     for splits in range(MAX_DECODE_SPLITS, 1, -1):
         if splits * tiles <= 2 * sm_count and k // splits >= 2048:
             return splits
@@ -211,7 +226,7 @@ def linear_fp8_triton(x, weight, weight_scale, input_scale, out_dtype=None, spli
                     device=x.device)
     if m:
         pdl = chain_mode(x.device, "linear") if split_k > 1 else 0
-        cfg = _config(m, n, k, config, split_k)
+        cfg = _config(m, n, k, x.device, config, split_k)
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split_k)
         stride_ws = 0 if weight_scale.dim() == 0 else 1
         _linear_fp8_kernel[grid](

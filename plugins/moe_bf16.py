@@ -1,19 +1,23 @@
 """beam::moe_bf16 — the routed experts of a Beam MoE layer on unquantized weights.
 
-    out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
+    out[t] = rnd(scale * sum_j topk_weights[t, j] * down_e(swiglu(gate_e(x[t]), up_e(x[t])))),
+    e = topk_ids[t, j],  swiglu(g, u) = rnd(silu(g) * u) in FP32
 
 Inputs (repacked expert layout of docs/DESIGN.md §2):
     x             [T, H]      bf16 / fp16 / fp32
     topk_ids      [T, k]      int32 (or int64), distinct experts per token, each in [0, E)
-    topk_weights  [T, k]      fp32 (already normalised and scaled by the router)
+    topk_weights  [T, k]      fp32 (normalised by the router)
     w13           [E, 2I, H]  x.dtype: rows [0, I) are gate_proj, rows [I, 2I) are up_proj
     w2            [E, H, I]   x.dtype: down_proj
-Output: a new [T, H] tensor in x.dtype. There is no `out=`: the op allocates its result (inside
+    scale         float       Beam's routed_scaling_factor, on the FP32 sum (default 1)
+Output: a new [T, H] tensor in x.dtype, or with per_slot each (token, slot)'s unweighted expert
+output [T, k, H] for a consumer that weights, sums and scales them (beam::add_rmsnorm). There is no `out=`: the op allocates its result (inside
 a CUDA graph it comes from the graph's pool) and never writes its inputs.
 
-Numerics (match reference.py's BeamMoE): GEMMs accumulate in FP32; gate, up, silu(gate) and h
-are rounded to x.dtype as the reference's module outputs are; the expert output y is rounded to
-x.dtype, then weighted and summed over j in FP32 and rounded once.
+Numerics (transformers' BeamMoE, the combine as the spec pins it): GEMMs accumulate in FP32;
+gate and up are rounded to x.dtype, silu and the product taken in FP32 and h rounded once; the
+expert output y is rounded to x.dtype, then weighted and summed over j in FP32, times scale,
+and rounded once.
 """
 
 from __future__ import annotations
@@ -34,19 +38,22 @@ OP = "moe_bf16"
 
 
 @register(OP, "reference")
-def ref_moe_bf16(x, topk_ids, topk_weights, w13, w2, *, per_slot: bool = False):
+def ref_moe_bf16(x, topk_ids, topk_weights, w13, w2, *, per_slot: bool = False,
+                 scale: float = 1.0):
     check_routing(OP, x, topk_ids, topk_weights)
     e, _ = check_expert_weights(OP, x, w13, w2, (x.dtype,))
     check_ids_in_range(OP, topk_ids, e)
-    return ref_moe(x, topk_ids, topk_weights, lambda i: (w13[i], w2[i]), per_slot=per_slot)
+    return ref_moe(x, topk_ids, topk_weights, lambda i: (w13[i], w2[i]), per_slot=per_slot,
+                   scale=scale)
 
 
 @torch.library.custom_op("beam::moe_bf16", mutates_args=())
 def moe_bf16(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    w13: torch.Tensor, w2: torch.Tensor, *, per_slot: bool = False,
+    w13: torch.Tensor, w2: torch.Tensor, *, per_slot: bool = False, scale: float = 1.0,
 ) -> torch.Tensor:
-    return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w2, per_slot=per_slot)
+    return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w2, per_slot=per_slot,
+                    scale=scale)
 
 
 moe_bf16.register_fake(fake_moe)
@@ -96,7 +103,7 @@ def _gemm(a, w, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfi
 
 @register(OP, "triton")
 def moe_bf16_triton(x, topk_ids, topk_weights, w13, w2, direct=None, config13=None, config2=None,
-                    *, per_slot: bool = False):
+                    *, per_slot: bool = False, scale: float = 1.0):
     """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
     t, h, top_k = check_routing(OP, x, topk_ids, topk_weights)
     e, inner = check_expert_weights(OP, x, w13, w2, (x.dtype,))
@@ -113,4 +120,4 @@ def moe_bf16_triton(x, topk_ids, topk_weights, w13, w2, direct=None, config13=No
     _gemm(x, w13, hbuf, routing, numel, top_k, inner, h, True, c13)
     y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
     _gemm(hbuf, w2, y, routing, numel, top_k, h, inner, False, c2)
-    return finish(y, topk_weights, t, per_slot)
+    return finish(y, topk_weights, t, per_slot, scale)

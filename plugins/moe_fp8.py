@@ -79,7 +79,8 @@ def check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_s
 
 @register(OP, "reference")
 def ref_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
-                out_dtype=None, *, per_slot: bool = False):
+                out_dtype=None, *, per_slot: bool = False,
+                scale: float = 1.0):
     e, _, act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale,
                               a2_scale, out_dtype)
     check_ids_in_range(OP, topk_ids, e)
@@ -92,6 +93,7 @@ def ref_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_sca
     return ref_moe(
         x.float() * a13_scale if codes else x, topk_ids, topk_weights, expert, quant13,
         lambda a: fake_quant_fp8_activation(a, a2_scale), act_dtype=act, per_slot=per_slot,
+        scale=scale,
     )
 
 
@@ -100,15 +102,15 @@ def moe_fp8(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
     a13_scale: torch.Tensor, a2_scale: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-    *, per_slot: bool = False,
+    *, per_slot: bool = False, scale: float = 1.0,
 ) -> torch.Tensor:
     return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
-                    a13_scale, a2_scale, out_dtype, per_slot=per_slot)
+                    a13_scale, a2_scale, out_dtype, per_slot=per_slot, scale=scale)
 
 
 @moe_fp8.register_fake
 def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale, out_dtype=None,
-      *, per_slot=False):
+      *, per_slot=False, scale=1.0):
     act = check_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale,
                         a2_scale, out_dtype)[2]
     return empty_output(x, topk_ids, act, per_slot)
@@ -242,7 +244,8 @@ def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, 
 @register(OP, "triton")
 def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_scale, a2_scale,
                    out_dtype=None, direct=None, config13=None, config2=None, tma=None,
-                   overlap=True, *, per_slot: bool = False):
+                   overlap=True, *, per_slot: bool = False,
+                   scale: float = 1.0):
     """Launcher. `direct` / `config*` / `tma` override the launch choices (tests and bench/
     only; `tma` needs a tail-block layout); overlap=False runs direct pairs' down GEMM after
     all of gate/up."""
@@ -277,4 +280,4 @@ def moe_fp8_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_
     y = torch.empty((numel, h), dtype=act, device=x.device)
     _gemm(hq, a2_scale, w2, w2_scale, y, a2_scale, routing, numel, top_k, h, inner, False,
           act, c2, tma, overlap)
-    return finish(y, topk_weights, t, per_slot)
+    return finish(y, topk_weights, t, per_slot, scale)

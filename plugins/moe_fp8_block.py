@@ -67,7 +67,8 @@ def check_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
 
 @register(OP, "reference")
 def ref_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *,
-                      per_slot: bool = False):
+                      per_slot: bool = False,
+                      scale: float = 1.0):
     e, _ = check_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     check_ids_in_range(OP, topk_ids, e)
 
@@ -76,17 +77,18 @@ def ref_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *
                 dequantize_fp8_row_blocks(w2[i], w2_scale[i]))
 
     quant = fake_quant_fp8_per_token_block
-    return ref_moe(x, topk_ids, topk_weights, expert, quant, quant, per_slot=per_slot)
+    return ref_moe(x, topk_ids, topk_weights, expert, quant, quant, per_slot=per_slot,
+                   scale=scale)
 
 
 @torch.library.custom_op("beam::moe_fp8_block", mutates_args=())
 def moe_fp8_block(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-    *, per_slot: bool = False,
+    *, per_slot: bool = False, scale: float = 1.0,
 ) -> torch.Tensor:
     return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
-                    per_slot=per_slot)
+                    per_slot=per_slot, scale=scale)
 
 
 moe_fp8_block.register_fake(fake_moe)
@@ -159,7 +161,8 @@ def block_configs(numel, e, config13, config2):
 
 @register(OP, "triton")
 def moe_fp8_block_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, direct=None,
-                         config13=None, config2=None, *, per_slot: bool = False):
+                         config13=None, config2=None, *, per_slot: bool = False,
+                         scale: float = 1.0):
     """Launcher. `direct` / `config*` override the launch choices (tests and bench/ only)."""
     e, inner = check_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     t, h = x.shape
@@ -176,4 +179,4 @@ def moe_fp8_block_triton(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale
     _gemm(xq, xs, w13, w13_scale, hq, hs, routing, numel, top_k, inner, h, True, x.dtype, c13)
     y = torch.empty((numel, h), dtype=x.dtype, device=x.device)
     _gemm(hq, hs, w2, w2_scale, y, hs, routing, numel, top_k, h, inner, False, x.dtype, c2)
-    return finish(y, topk_weights, t, per_slot)
+    return finish(y, topk_weights, t, per_slot, scale)

@@ -87,7 +87,8 @@ def check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, 
 
 @register(OP, "reference")
 def ref_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
-                  *, per_slot: bool = False):
+                  *, per_slot: bool = False,
+                  scale: float = 1.0):
     e, _ = check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale,
                            w2_scale_2)
     check_ids_in_range(OP, topk_ids, e)
@@ -97,7 +98,8 @@ def ref_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2
                 dequantize_nvfp4(w2[i], w2_scale[i], w2_scale_2[i]))
 
     identity = lambda a: a  # noqa: E731  (W4A16: activations are not quantized)
-    return ref_moe(x, topk_ids, topk_weights, expert, identity, identity, per_slot=per_slot)
+    return ref_moe(x, topk_ids, topk_weights, expert, identity, identity, per_slot=per_slot,
+                   scale=scale)
 
 
 @torch.library.custom_op("beam::moe_nvfp4", mutates_args=())
@@ -105,9 +107,10 @@ def moe_nvfp4(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w13_scale_2: torch.Tensor,
     w2: torch.Tensor, w2_scale: torch.Tensor, w2_scale_2: torch.Tensor, *, per_slot: bool = False,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     return dispatch(OP, x.device, x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2,
-                    w2, w2_scale, w2_scale_2, per_slot=per_slot)
+                    w2, w2_scale, w2_scale_2, per_slot=per_slot, scale=scale)
 
 
 moe_nvfp4.register_fake(fake_moe)
@@ -118,8 +121,8 @@ moe_nvfp4.register_fake(fake_moe)
 def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw_ptr, comb_ptr,
                       tickets_ptr, flags_ptr, ready_count, ids_ptr, sorted_ptr, block_expert_ptr,
                       num_rows_ptr, numel, top_k, num_m, N, K, stride_am, stride_we, stride_wn,
-                      stride_se, stride_sn, stride_om, GATED: tl.constexpr, DIRECT: tl.constexpr,
-                      SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
+                      stride_se, stride_sn, stride_om, scale, GATED: tl.constexpr,
+                      DIRECT: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr, SIDE: tl.constexpr,
                       EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, TMA_W: tl.constexpr, TMA_S: tl.constexpr,
@@ -180,7 +183,7 @@ def _moe_nvfp4_kernel(a_ptr, w_ptr, w_desc, ws_ptr, s_desc, ws2_ptr, out_ptr, tw
         signal_ready(flags_ptr, pid_m)
     if COMBINE:  # (direct: block pid_m is pair pid_m of token pid_m // top_k)
         combine_if_last(out_ptr, tw_ptr, comb_ptr, tickets_ptr, pid_m // TOP_K, pid_n,
-                        tl.cdiv(N, BLOCK_N), offs_n, n_mask, N, TOP_K)
+                        tl.cdiv(N, BLOCK_N), offs_n, n_mask, N, scale, TOP_K)
 
 
 def use_asm(dtype: torch.dtype) -> bool:
@@ -219,22 +222,22 @@ def takes_pairs_order(cfg2: GemmConfig, inner: int) -> bool:
 def _gemm(a, w, ws, ws2, out, routing: Routing, numel, top_k, n, k, gated, cfg: GemmConfig,
           tma: bool, pairs_order: bool = False, combine=None, overlap=None):
     """One grouped GEMM launch. pairs_order: gate/up stores h in the code pairs' K order, down
-    takes it so. combine (down, direct pairs): (topk_weights, combined output [T, H]), which the
-    launch fills as well as `out`. overlap: `_moe_common.pair_overlap`'s (direct pairs), or
-    None."""
+    takes it so. combine (down, direct pairs): (topk_weights, combined output [T, H], the routed
+    scale), which the launch fills as well as `out`. overlap: `_moe_common.pair_overlap`'s
+    (direct pairs), or None."""
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
     words = w.view(torch.int32)  # [E, rows, K/8]: 8 codes a word
     tma_w, tma_s = takes_tma(a, k, cfg, w, ws) if tma else (False, False)
     w_desc = tma_descriptor(words, cfg.block_n, cfg.block_k // 8) if tma_w else None
     s_desc = tma_descriptor(ws, cfg.block_n, cfg.block_k // 16) if tma_s else None
-    tw, comb = combine if combine is not None else (None, None)
+    tw, comb, scale = combine if combine is not None else (None, None, 1.0)
     tickets = (combine_tickets(out.device, comb.shape[0] * triton.cdiv(n, cfg.block_n))
                if combine is not None else None)
     flags, ready_count, overlap_kw = overlap_launch(overlap, a.device, cfg.group_m, gated)
     _moe_nvfp4_kernel[grid](
         a, words, w_desc, ws, s_desc, ws2, out, tw, comb, tickets, flags, ready_count,
         *routing_ptrs(routing), numel, top_k, routing.m_blocks, n, k, a.stride(0),
-        words.stride(0), words.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
+        words.stride(0), words.stride(1), ws.stride(0), ws.stride(1), out.stride(0), scale,
         GATED=gated, DIRECT=routing.direct, SWAP=cfg.swap, ASM=use_asm(a.dtype),
         SIDE=nvfp4_side(cfg.swap, cfg.block_m, ordered=pairs_order and not gated),
         EVEN_K=k % cfg.block_k == 0, PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m,
@@ -277,7 +280,8 @@ def launch_configs(numel: int, experts: int, config13=None, config2=None, k13: i
 @register(OP, "triton")
 def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale,
                      w2_scale_2, direct=None, config13=None, config2=None, tma=True,
-                     overlap=True, *, per_slot: bool = False):
+                     overlap=True, *, per_slot: bool = False,
+                     scale: float = 1.0):
     """Launcher. `direct` / `config*` override the launch choices, tma=False turns the TMA
     loads off, overlap=False runs direct pairs' down GEMM after all of gate/up (tests and
     bench/ only)."""
@@ -304,8 +308,9 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     if routing.direct and not per_slot:  # the down GEMM combines too: no combine launch
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
         _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2,
-              tma, pairs_order, combine=(topk_weights.contiguous(), out), overlap=overlap)
+              tma, pairs_order, combine=(topk_weights.contiguous(), out, scale),
+              overlap=overlap)
         return out
     _gemm(hbuf, w2, w2_scale, w2_scale_2, y, routing, numel, top_k, h, inner, False, c2, tma,
           pairs_order, overlap=overlap)
-    return finish(y, topk_weights, t, per_slot)
+    return finish(y, topk_weights, t, per_slot, scale)

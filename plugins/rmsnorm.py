@@ -4,7 +4,7 @@
 
 Shapes / dtypes: x [T, H] (fp32, bf16 or fp16), w [H] (any float dtype) -> y [T, H] in x's dtype.
 Contract: functional, returns a new tensor (no out=, nothing is written in place). Matches
-`beam_trtllm.reference.rms_norm` (the model's input_layernorm of layer 0 and the final norm;
+`_reference.rms_norm` (the model's input_layernorm of layer 0 and the final norm;
 every other norm is fused into beam::add_rmsnorm). CUDA-graph safe.
 """
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from beam_trtllm.reference import rms_norm
+from ._reference import rms_norm
 
 from ._common import FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2, sm_count
 from ._fp8_act import fp8_codes, load_fp8_scale

@@ -29,8 +29,8 @@ from plugins._moe_common import GemmConfig
 
 GEMM = GemmConfig(16, 32, 128, 4, 3, swap=True)
 ENTRIES = {
-    ("linear_fp8", 8, 8192, 5120): GEMM,
-    ("linear_nvfp4", 2048, 49152, 5120, "bfloat16"): GemmConfig(128, 256, 64, 8, 3),
+    ("linear_fp8", 8, 14336, 5120): GEMM,
+    ("linear_nvfp4", 2048, 40960, 5120, "bfloat16"): GemmConfig(128, 256, 64, 8, 3),
     ("moe_fp8", 64, 256, 2560, 5120): {"w13": None, "w2": GEMM},
     ("moe_nvfp4", 16384, 256, 2560, 5120, "bfloat16"): {"w13": GemmConfig(64, 128, 128, 4, 4),
                                                          "w2": GemmConfig(64, 64, 128, 4, 5)},
@@ -52,7 +52,7 @@ def test_table_round_trips_through_json_and_installs():
     assert tuning.install(doc) == len(ENTRIES) and tuning.installed() == ENTRIES
     assert [tuning.bucket(n) for n in (0, 1, 2, 3, 8, 9, 2048)] == [1, 1, 2, 4, 8, 16, 2048]
     tuning.clear()
-    assert tuning.installed() == {} and tuning.lookup(("linear_fp8", 8, 8192, 5120)) is None
+    assert tuning.installed() == {} and tuning.lookup(("linear_fp8", 8, 14336, 5120)) is None
 
 
 def test_hooks_look_up_what_the_launchers_run():
@@ -60,15 +60,15 @@ def test_hooks_look_up_what_the_launchers_run():
     cache = torch.empty(2, 64, 8, 128, dtype=torch.float8_e4m3fn)
     index = torch.empty(1, 64, dtype=torch.int32)  # 64 blocks of 64: capacity 4096
     # empty table: every hook leaves the launcher's own choice (None / the caller's overrides)
-    assert tuning.tuned_linear("linear_fp8", 5, 8192, 5120) is None
+    assert tuning.tuned_linear("linear_fp8", 5, 14336, 5120) is None
     assert tuning.tuned_moe("moe_fp8", 40, 256, 2560, 5120, None, None) == (None, None)
     assert tuning.tuned_decode(q, cache, index) is None
     tuning.install(tuning.to_json(ENTRIES))
     for m in (5, 8):  # one bucket: 5..8 tokens
-        assert tuning.tuned_linear("linear_fp8", m, 8192, 5120) == GEMM
-    assert tuning.tuned_linear("linear_fp8", 9, 8192, 5120) is None
-    assert tuning.tuned_linear("linear_nvfp4", 2000, 49152, 5120, torch.bfloat16).block_n == 256
-    assert tuning.tuned_linear("linear_nvfp4", 2000, 49152, 5120, torch.float32) is None
+        assert tuning.tuned_linear("linear_fp8", m, 14336, 5120) == GEMM
+    assert tuning.tuned_linear("linear_fp8", 9, 14336, 5120) is None
+    assert tuning.tuned_linear("linear_nvfp4", 2000, 40960, 5120, torch.bfloat16).block_n == 256
+    assert tuning.tuned_linear("linear_nvfp4", 2000, 40960, 5120, torch.float32) is None
     assert tuning.tuned_moe("moe_fp8", 40, 256, 2560, 5120, None, None) == (None, GEMM)
     mine = GemmConfig(16, 64, 128, 4, 4, swap=True)  # a caller's explicit override wins
     assert tuning.tuned_moe("moe_fp8", 40, 256, 2560, 5120, mine, None) == (mine, None)
@@ -182,29 +182,33 @@ def test_problems_of_beam_1_0_cover_its_layers():
     problems = engine_problems(cfg, recipe_plan(cfg, "nvfp4"), opts, "fp8", "cuda", 64)
     keys = {p.key for p in problems}
     assert len(keys) == len(problems)
-    # FP8 GEMMs only where the Triton kernel runs (<= 16 tokens; _scaled_mm above)
+    # FP8 GEMMs only where the Triton kernel runs (<= 16 tokens; _scaled_mm above): the packed
+    # q/k/v/gate projection (2*48*128 + 2*8*128 = 14336 rows) and o_proj
+    qkvg, o_proj = (cfg.qkv_gate_size, cfg.hidden_size), (cfg.hidden_size, cfg.q_size)
+    assert qkvg == (14336, 5120) and o_proj == (5120, 6144)
     assert {k for k in keys if k[0] == "linear_fp8"} == {
-        ("linear_fp8", m, n, k) for m in (1, 8) for n, k in ((8192, 5120), (5120, 6144))}
+        ("linear_fp8", m, n, k) for m in (1, 8) for n, k in (qkvg, o_proj)}
+    # NVFP4 dense layers (the first three): gate/up 2 * 20480 rows, down 20480 channels
     assert {k for k in keys if k[0] == "linear_nvfp4"} == {
         ("linear_nvfp4", m, n, k, "bfloat16") for m in (1, 8, 64, 2048)
-        for n, k in ((49152, 5120), (5120, 24576))}
+        for n, k in ((40960, 5120), (5120, 20480))}
     assert {k[1] for k in keys if k[0] == "moe_nvfp4"} == {8, 64, 512, 16384}
     decode = {(k[1], k[2]) for k in keys if k[0] == "attention_decode"}
     assert decode == {(b, cap) for b in (1, 8, 64) for cap in (131072, 512)}  # 48 -> bucket 64
     assert next(p for p in problems if p.family == "moe_nvfp4").uses == 49
-    # on 132 SMs the engine runs q/k/v and o_proj split over K at 1 and 8 tokens (each one FP8
-    # segment once qk_prep takes the BF16 gate from x; SPLIT_CONFIG's shape, not a tuned one):
-    # nothing of theirs to tune. On 64 SMs their tiles would not fit one wave: no split.
+    # on 132 SMs the engine runs o_proj split over K at 1 and 8 tokens (SPLIT_CONFIG's shape,
+    # not a tuned one): nothing of its to tune. q/k/v/gate is not split there (its 224 tiles
+    # fill the GPU: linear_fp8.decode_split_k), so its shapes stay. On 64 SMs neither splits.
     def fp8_keys(sm_count, plan=recipe_plan(cfg, "nvfp4")):
         return {p.key for p in engine_problems(cfg, plan, opts, "fp8", "cuda", sm_count)
                 if p.family == "linear_fp8"}
-    assert fp8_keys(132) == set()
-    assert {k for k in keys if k[0] != "linear_fp8"} == {
+    assert fp8_keys(132) == {("linear_fp8", m, *qkvg) for m in (1, 8)}
+    assert keys - {("linear_fp8", m, *o_proj) for m in (1, 8)} == {
         p.key for p in engine_problems(cfg, recipe_plan(cfg, "nvfp4"), opts, "fp8", "cuda", 132)}
-    # a q/k/v with two FP8 segments is not split: its shapes stay
+    # a q/k/v/gate of two FP8 segments is not split: its shapes stay
     two = {i: dict(layer, **{"self_attn.qkvg_proj": layer["self_attn.qkvg_proj"][:1] * 2})
            for i, layer in recipe_plan(cfg, "nvfp4").items()}
-    assert fp8_keys(132, two) == {("linear_fp8", m, 8192, 5120) for m in (1, 8)}
+    assert fp8_keys(132, two) == {("linear_fp8", m, *qkvg) for m in (1, 8)}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reads a GPU's SM count")

@@ -165,7 +165,8 @@ def test_search_on_the_gpu_keeps_shapes_that_agree():
     from beam_trtllm.engine.autotune import disagreement
 
     problems = [
-        Problem("linear_fp8", ("linear_fp8", 1, 8192, 5120), "qkv m=1", {"n": 8192, "k": 5120, "size": 1}),
+        Problem("linear_fp8", ("linear_fp8", 1, 14336, 5120), "qkv+gate m=1",
+                {"n": 14336, "k": 5120, "size": 1}),
         Problem("attention_decode", tuning.decode_key(8, 512, 48, 8, 128, torch.bfloat16, torch.bfloat16),
                 "sliding B=8", {"hq": 48, "hkv": 8, "d": 128, "capacity": 512, "block_size": 512,
                                 "window": 512, "kv_dtype": "bfloat16", "size": 8}),

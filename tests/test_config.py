@@ -1,4 +1,5 @@
-"""BeamConfig: spec facts checked against hand-written values, and bad configs refused."""
+"""BeamConfig: spec facts checked against hand-written values and against transformers'
+BeamConfig, configs written by transformers read exactly, and bad configs refused."""
 
 import json
 
@@ -6,8 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from beam_trtllm.cli import main
-from beam_trtllm.config import FULL, PRESETS, SLIDING, BeamConfig, ConfigError, preset
-from beam_trtllm.reference import ssmax_scale
+from beam_trtllm.config import DENSE, FULL, PRESETS, SLIDING, SPARSE, BeamConfig, ConfigError, preset
 
 BEAM = PRESETS["beam-1.0-501b"]
 
@@ -20,8 +20,24 @@ def test_501b_full_layers_are_the_published_ones():
 
 
 def test_501b_parameter_counts():
-    assert round(BEAM.total_params / 1e9, 2) == 500.96
-    assert round(BEAM.active_params / 1e9, 2) == 23.13
+    assert round(BEAM.total_params / 1e9, 2) == 501.27
+    assert round(BEAM.active_params / 1e9, 2) == 23.43
+    assert (BEAM.vocab_size, BEAM.intermediate_size) == (151936, 20480)
+
+
+def test_parameter_counts_equal_transformers_model():
+    """Every parameter and buffer of transformers' BeamForCausalLM (meta device), counted."""
+    import torch
+    from transformers import BeamForCausalLM
+
+    from beam_trtllm.hf_model import hf_config
+
+    for cfg in (BEAM, PRESETS["tiny"]):
+        with torch.device("meta"):
+            model = BeamForCausalLM(hf_config(cfg))
+        tensors = [t for n, t in [*model.named_parameters(), *model.named_buffers()]
+                   if "rotary_emb" not in n]
+        assert sum(t.numel() for t in tensors) == cfg.total_params
 
 
 def test_501b_kv_bytes():
@@ -44,17 +60,51 @@ def test_tiny_exercises_every_feature():
     assert tiny.sliding_window < 32  # test sequences are longer than the window
     assert tiny.n_group > tiny.topk_group  # whole groups are dropped
     assert tiny.num_attention_heads // tiny.num_key_value_heads > 1  # GQA
-    assert float(ssmax_scale(__import__("torch").tensor(64.0), tiny.ssmax_base,
-                             tiny.ssmax_exponent)) > 1.3
+    assert tiny.dense_layers == (0, 3)  # dense and sparse in a non-prefix pattern
+    assert tiny.final_logit_softcapping == 30.0
 
 
 def test_hf_round_trip(tmp_path):
     raw = BEAM.to_hf()
     assert raw["model_type"] == "beam" and raw["architectures"] == ["BeamForCausalLM"]
-    assert len(raw["layer_types"]) == 52
+    assert len(raw["layer_types"]) == 52 and len(raw["mlp_layer_types"]) == 52
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert BeamConfig.from_hf(tmp_path) == BEAM
     assert BeamConfig.from_hf(raw) == BEAM
+
+
+def test_reads_what_transformers_writes(tmp_path):
+    """transformers' own BeamConfig(), saved: the published model's facts, no unknown field;
+    its defaults are the canonical ones (max_position_embeddings 8192 there, pinned 1M in our
+    preset)."""
+    from transformers import BeamConfig as HFBeamConfig
+
+    HFBeamConfig(mlp_layer_types=[SPARSE, DENSE] * 26).save_pretrained(tmp_path)
+    cfg = BeamConfig.from_hf(tmp_path)
+    assert not cfg.unknown_fields and cfg.report_unknown() is None
+    assert cfg == BEAM.replace(max_position_embeddings=8192,
+                               mlp_layer_types=(SPARSE, DENSE) * 26)
+    assert cfg.moe_layers == tuple(range(0, 52, 2)) and cfg.rope_theta == 10000.0
+    assert BeamConfig.from_hf(tmp_path / "config.json").to_hf()["rope_parameters"] == {
+        SLIDING: {"rope_type": "default", "rope_theta": 10000.0}, FULL: None}
+
+
+def test_unknown_fields_are_kept_written_back_and_reported(tmp_path):
+    raw = {**BEAM.to_hf(), "my_extension": [1, 2], "rope_scaling_note": "x"}
+    cfg = BeamConfig.from_hf(raw)
+    assert cfg.unknown_fields == {"my_extension": [1, 2], "rope_scaling_note": "x"}
+    assert cfg.to_hf()["my_extension"] == [1, 2]
+    assert "my_extension, rope_scaling_note" in cfg.report_unknown()
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    out = CliRunner().invoke(main, ["info", str(tmp_path)])
+    assert out.exit_code == 0 and "my_extension" in out.output
+
+
+def test_v1_config_is_refused_saying_what_it_is():
+    raw = {k: v for k, v in BEAM.to_hf().items() if k != "mlp_layer_types"}
+    raw.update(n_routed_experts=256, first_k_dense_replace=3, ssmax_base=2048.0)
+    with pytest.raises(ConfigError, match="pre-canonical Beam.*first_k_dense_replace"):
+        BeamConfig.from_hf(raw)
 
 
 @pytest.mark.parametrize(
@@ -64,10 +114,21 @@ def test_hf_round_trip(tmp_path):
         ({"layer_types": [SLIDING] * 51 + ["local"]}, "layer_types"),
         ({"num_attention_heads": 50}, "num_attention_heads"),
         ({"topk_group": 9}, "topk_group"),
-        ({"n_routed_experts": 250}, "n_routed_experts"),
+        ({"num_experts": 250}, "num_experts"),
         ({"hidden_size": 0}, "hidden_size"),
         ({"num_experts_per_tok": 200}, "num_experts_per_tok"),
-        ({"first_k_dense_replace": 60}, "first_k_dense_replace"),
+        ({"mlp_layer_types": [DENSE] * 50}, "mlp_layer_types"),
+        ({"mlp_layer_types": [DENSE] * 51 + ["moe"]}, "mlp_layer_types"),
+        ({"rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 1e4}}},
+         "rope_parameters"),
+        ({"rope_parameters": {SLIDING: {"rope_type": "yarn", "rope_theta": 1e4}, FULL: None}},
+         "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "rope_parameters"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"sliding_window": None}, "sliding_window"),
+        ({"final_logit_softcapping": -1.0}, "final_logit_softcapping"),
     ],
 )
 def test_contradictory_configs_name_the_field(change, field):
@@ -86,16 +147,18 @@ def test_bad_config_file_names_the_file(tmp_path):
 
 
 def test_default_layer_rule_on_other_depths():
-    cfg = BEAM.replace(num_hidden_layers=8, layer_types=())
+    cfg = BEAM.replace(num_hidden_layers=8, layer_types=(), mlp_layer_types=())
     assert cfg.layer_types == (SLIDING,) * 5 + (FULL, SLIDING, FULL)
+    assert cfg.mlp_layer_types == (DENSE,) * 3 + (SPARSE,) * 5
+    assert BEAM.replace(num_hidden_layers=2, layer_types=(), mlp_layer_types=()).moe_layers == ()
 
 
 def test_info_cli_text_and_json():
     runner = CliRunner()
     text = runner.invoke(main, ["info", "--preset", "beam-1.0-501b"])
     assert text.exit_code == 0, text.output
-    for needle in ["500.96B", "23.13B", "36.00 KiB BF16", "18.00 KiB FP8", "18.00 GiB",
-                   "5, 11, 17, 23, 29, 35, 41, 47, 51"]:
+    for needle in ["501.27B", "23.43B", "36.00 KiB BF16", "18.00 KiB FP8", "18.00 GiB",
+                   "5, 11, 17, 23, 29, 35, 41, 47, 51", "dense 0-2; moe 3-51"]:
         assert needle in text.output
     out = runner.invoke(main, ["info", "--preset", "beam-1.0-501b", "--json",
                                "--context", str(1 << 20), "--kv-dtype", "fp8"])

@@ -20,6 +20,8 @@ from convert.pipeline import ConvertOptions, convert
 from convert.st_io import TensorFile
 
 Q = "model.layers.0.self_attn.q_proj.weight"
+GATE = "model.layers.0.self_attn.gate_proj"  # the attention's output gate [Hq*D, H] ...
+GATE_BIAS = "model.layers.0.self_attn.gate_bias"  # ... and its per-head bias [Hq]
 
 
 def _digest(d: Path) -> dict:
@@ -69,9 +71,47 @@ def _wrong_shape(d):
     return f"{Q} has shape \\[32, 128\\], config.json implies \\[64, 64\\]"
 
 
-def _wrong_dtype(d):
-    _rewrite(_shard_of(d, Q), lambda t: t.__setitem__(Q, t[Q].float()))
-    return f"{Q} has dtype F32, expected BF16"
+def _wrong_dtype(d):  # FP32, BF16 and FP16 are read (cast to BF16); integers are not weights
+    _rewrite(_shard_of(d, Q), lambda t: t.__setitem__(Q, t[Q].to(torch.int32)))
+    return f"{Q} has dtype I32; an unquantized Beam checkpoint holds F32, BF16 or F16"
+
+
+def _drop(d: Path, name: str) -> None:
+    _rewrite(_shard_of(d, name), lambda t: t.__delitem__(name))
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    del index["weight_map"][name]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _v1_gate(d):
+    """beam-trt's pre-canonical model: a per-head g_proj [Hq, H] and no gate_bias."""
+    gate, v1 = GATE + ".weight", GATE[: -len("gate_proj")] + "g_proj.weight"
+    _rewrite(_shard_of(d, gate), lambda t: t.__setitem__(v1, t.pop(gate)[::16].contiguous()))
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"][v1] = index["weight_map"].pop(gate)
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    _drop(d, GATE_BIAS)
+    return f"tensor {v1} is the per-head g_proj gate of beam-trt's pre-canonical Beam \\(v1\\)"
+
+
+def _v1_config(d):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["n_routed_experts"] = cfg.pop("num_experts")
+    (d / "config.json").write_text(json.dumps(cfg))
+    return "pre-canonical Beam \\(v1 field 'n_routed_experts'"
+
+
+def _gate_per_head(d):
+    """The canonical name with v1's shape: one gate row per head instead of per element."""
+    name = GATE + ".weight"
+    _rewrite(_shard_of(d, name), lambda t: t.__setitem__(name, t[name][::16].contiguous()))
+    return (f"{name} has shape \\[4, 64\\], config.json implies \\[64, 64\\] \\(one row per "
+            "head")
+
+
+def _gate_bias_missing(d):
+    _drop(d, GATE_BIAS)
+    return f"missing tensor {GATE_BIAS} \\(config.json implies it\\)"
 
 
 def _unknown_name(d):
@@ -99,7 +139,8 @@ def _config_invalid(d):
 
 CASES = {f.__name__[1:]: f for f in (_missing_shard, _truncated, _corrupt_header, _nan_data,
                                      _wrong_shape, _wrong_dtype, _unknown_name, _config_mismatch,
-                                     _config_invalid)}
+                                     _config_invalid, _v1_gate, _v1_config, _gate_per_head,
+                                     _gate_bias_missing)}
 
 
 @pytest.mark.parametrize("case", list(CASES))

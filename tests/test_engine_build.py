@@ -40,9 +40,10 @@ def test_engine_dir_holds_everything_a_server_needs(tiny_engine_dir, tiny_dir):
     assert len(spec["checkpoint"]["sha256"]) == 64 and spec["tools"]["torch"] == torch.__version__
     assert spec["kernels"]["autotune"]["status"].startswith("not applicable")
     layer1 = spec["quantization"]["layers"]["layer1"]
-    assert layer1["self_attn.qkvg_proj"] == [{"format": "bf16", "rows": 64 + 32 + 32 + 4,
+    assert layer1["self_attn.qkvg_proj"] == [{"format": "bf16", "rows": 64 + 32 + 32 + 64,
                                               "parts": ["self_attn.q_proj", "self_attn.k_proj",
-                                                        "self_attn.v_proj", "self_attn.g_proj"]}]
+                                                        "self_attn.v_proj",
+                                                        "self_attn.gate_proj"]}]
     assert layer1["experts"] == "bf16"
     assert all(f in names for f in spec["files"])
 
@@ -57,8 +58,9 @@ def test_weights_are_repacked_for_the_ops(tiny_engine_dir, tiny_dir):
     for f in sorted(tiny_engine_dir.glob("weights-*.safetensors")):
         eng.update(load_file(f))
     p = "model.layers.2."
-    qkvg = torch.cat([src[p + f"self_attn.{n}_proj.weight"] for n in "qkvg"])
+    qkvg = torch.cat([src[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v", "gate")])
     assert torch.equal(eng[p + "self_attn.qkvg_proj.0.weight"], qkvg)
+    assert torch.equal(eng[p + "self_attn.gate_bias"], src[p + "self_attn.gate_bias"])
     e = 5
     w13 = torch.cat([src[p + f"mlp.experts.{e}.gate_proj.weight"], src[p + f"mlp.experts.{e}.up_proj.weight"]])
     assert torch.equal(eng[p + "mlp.experts.w13"][e], w13)

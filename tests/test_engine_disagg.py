@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 from engine_helpers import (  # noqa: F401  (fixtures)
-    TINY_OPTS, drive, greedy, one_thread, prompts, ref_bf16, ref_greedy, tiny_engine_dir,
+    TINY_OPTS, drive, greedy, one_thread, prompts, ref_fp32, ref_greedy, tiny_engine_dir,
+    tiny_fp32_engine_dir,
 )
 
 from beam_trtllm.engine.block_manager import chain_hashes
@@ -88,9 +89,9 @@ def test_kv_usage_counts_blocks_exactly(tiny_engine_dir):
     assert snap["kv_cached_blocks"] > 0 and snap["prefix_hits"] >= 12
 
 
-def test_prefill_decode_handoff_matches_one_engine(tiny_engine_dir, ref_bf16):
-    prefill = Engine.from_dir(tiny_engine_dir, device="cpu")
-    decode = Engine.from_dir(tiny_engine_dir, device="cpu")
+def test_prefill_decode_handoff_matches_one_engine(tiny_fp32_engine_dir, ref_fp32):
+    prefill = Engine.from_dir(tiny_fp32_engine_dir, device="cpu")
+    decode = Engine.from_dir(tiny_fp32_engine_dir, device="cpu")
     decode.generate(prompts(23, [40]), greedy(3))  # decode engine not empty: other block ids
     ps = prompts(24, [27, 6, 61])
     for k, p in enumerate(ps):
@@ -114,7 +115,7 @@ def test_prefill_decode_handoff_matches_one_engine(tiny_engine_dir, ref_bf16):
     for out in [o for _ in range(12) for o in decode.step()]:
         arrivals.setdefault(out.request_id, []).extend(out.new_token_ids)
     for k, p in enumerate(ps):
-        assert arrivals[f"r{k}"] == ref_greedy(ref_bf16, p, 8)
+        assert arrivals[f"r{k}"] == ref_greedy(ref_fp32, p, 8)
     assert_all_free(decode)
 
 
@@ -154,10 +155,12 @@ def test_pins_and_reservations_are_freed_on_timeout_or_abort(tiny_engine_dir):
     assert_all_free(engine)
 
 
-def test_offload_tier_serves_evicted_prefixes(tiny_dir, tmp_path, ref_bf16):
+def test_offload_tier_serves_evicted_prefixes(tiny_dir, tmp_path, ref_fp32):
     """A dict as the host tier: blocks evicted under memory pressure are offloaded with their
-    KV, and a later request with that prefix fetches them back: same tokens, fewer computed."""
-    opts = BuildOptions(**{**TINY_OPTS, "max_seq_len": 96, "kv_memory_gib": 5.2e-5})
+    KV, and a later request with that prefix fetches them back: same tokens, fewer computed
+    (FP32 engine: 26 blocks of FP32 KV, token-exact against the model)."""
+    opts = BuildOptions(**{**TINY_OPTS, "max_seq_len": 96, "kv_memory_gib": 1.04e-4,
+                           "dtype": "float32"})
     engine = Engine.from_dir(build_engine(tiny_dir, tmp_path / "e", opts), device="cpu")
     tier: dict[int, torch.Tensor] = {}
     engine.set_kv_tier(offload=lambda h, parent, tokens, kv: tier.__setitem__(h, kv.clone()),
@@ -173,6 +176,6 @@ def test_offload_tier_serves_evicted_prefixes(tiny_dir, tmp_path, ref_bf16):
     assert set(chain_hashes(first, 4)) <= removed == set(tier)  # every eviction reported
     before = engine.blocks.stats["fetched"]
     follow = first + prompts(28, [5])[0]
-    assert engine.generate([follow], greedy(6))[0]["token_ids"] == ref_greedy(ref_bf16, follow, 6)
+    assert engine.generate([follow], greedy(6))[0]["token_ids"] == ref_greedy(ref_fp32, follow, 6)
     assert engine.blocks.stats["fetched"] - before == 15
     assert_all_free(engine)

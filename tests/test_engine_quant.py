@@ -1,31 +1,30 @@
-"""Engines built from quantized checkpoints (the converter's ModelOpt format) against the
-reference model run on the dequantized weights.
+"""Engines built from quantized checkpoints (the converter's ModelOpt format) against
+transformers' BeamForCausalLM on the exactly decoded weights, with the engine's activation
+quantizers put where the engine applies them.
 
-The `beam::` GEMMs multiply the exactly decoded weights in FP32 and round each module output to
-BF16 (plugins/_moe_common.ref_moe), so the reference's quantized Linears get the same: their
-weight is the exact FP32 decode (`convert.dequantize.QuantizedCheckpoint.dequant_tensor`;
-`convert.dequant` itself rounds to the BF16 layout), a forward pre-hook hands them the FP32
-input, fake-quantized where the engine quantizes activations (FP8 W8A8: static per-tensor
-`input_scale`, `quant_formats.fake_quant_fp8_activation`), and a forward hook rounds the output
-to BF16. NVFP4 runs W4A16 (on Hopper and on the CPU), so its inputs are not quantized.
-Everything else is reference.py in BF16 on `convert.dequant`'s state dict."""
+Both sides run in FP32 (the engine as a `--dtype float32` build), so what is compared is the
+quantized model itself, not BF16 rounding: the canonical model's Linears get the exact FP32
+decode of the stored weights (`QuantizedCheckpoint.dequant_tensor`), a forward pre-hook hands
+FP8 W8A8 Linears their input through the static `input_scale` quantizer, and the fused experts
+(`BeamExperts`) get theirs before the experts (the layer's shared gate/up scale) and after the
+SwiGLU (the shared down scale). NVFP4 runs W4A16 (on Hopper and on the CPU): no activation
+quantizer. An FP8 KV cache is a transformers cache that stores each key and value as the
+engine's cache does (fp8(clamp(x / s)) * s) and attends over what it stores, the step's own
+keys included (beam::attention's contract)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from engine_helpers import TINY_OPTS, drive, greedy, one_thread, prompts  # noqa: F401
-from safetensors import safe_open
-from torch import nn
 
-from beam_trtllm.checkpoint import weight_map
 from beam_trtllm.config import BeamConfig
 from beam_trtllm.engine.build import build_engine
 from beam_trtllm.engine.engine import Engine
 from beam_trtllm.engine.plan import BuildOptions
 from beam_trtllm.engine.types import SamplingParams
+from beam_trtllm.hf_model import logits, model_from_state_dict, stream
 from beam_trtllm.quant_formats import fake_quant_fp8_activation
-from beam_trtllm.reference import BeamForCausalLM
 from conftest import tol
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,137 +32,143 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def quantized(tiny_dir, tmp_path_factory):
-    """name -> (checkpoint dir, engine dir); the NVFP4 checkpoint carries FP8 KV scales, used
-    by one engine (--kv-dtype fp8, whole prompts in one chunk) and ignored by the other."""
+    """name -> (checkpoint dir, FP32 engine dir); the NVFP4 checkpoint carries FP8 KV scales,
+    used by one engine (--kv-dtype fp8, whole prompts in one chunk) and ignored by the other."""
     from convert import ConvertOptions, convert
 
     base = tmp_path_factory.mktemp("quantized")
     ckpts = {recipe: convert(tiny_dir, base / f"tiny-{recipe}", ConvertOptions(
         recipe, kv_cache=kv, calib_samples=2, calib_seq_len=48, workers=1))
         for recipe, kv in (("nvfp4", "fp8"), ("fp8", "none"))}
-    engines = {"nvfp4": ("nvfp4", {"kv_dtype": "bf16"}), "fp8": ("fp8", {}),
+    engines = {"nvfp4": ("nvfp4", {"kv_dtype": "fp32"}), "fp8": ("fp8", {}),
                "nvfp4-kv-fp8": ("nvfp4", {"kv_dtype": "fp8", "max_num_tokens": 160})}
     return {name: (ckpts[recipe], build_engine(ckpts[recipe], base / f"engine-{name}",
-                                               BuildOptions(**{**TINY_OPTS, **opts})))
+                                               BuildOptions(**{**TINY_OPTS, **opts,
+                                                               "dtype": "float32"})))
             for name, (recipe, opts) in engines.items()}
 
 
-def reference_on_dequant(ckpt) -> BeamForCausalLM:
-    from convert import dequant
+def _input_quantizer(q, module: str):
+    """The engine's activation quantizer of a stored Linear: FP8 W8A8's static scale, or None
+    (NVFP4 W4A16, BF16)."""
+    if module + ".input_scale" not in q.where or q.tensor(module + ".weight").dtype != torch.float8_e4m3fn:
+        return None
+    scale = q.tensor(module + ".input_scale")
+    return lambda x: fake_quant_fp8_activation(x, scale)
+
+
+def _hook_experts(experts, quant13, quant2) -> None:
+    """Quantize the fused experts' input before them and the SwiGLU output before down_proj."""
+    experts.register_forward_pre_hook(lambda m, args: (quant13(args[0]), *args[1:]))
+    apply_gate = experts._apply_gate
+    experts._apply_gate = lambda gate_up: quant2(apply_gate(gate_up))
+
+
+def model_on_exact_weights(ckpt):
+    """transformers' model (FP32) on the exact decode, with the engine's quantizers; returns
+    (model, number of quantizers hooked)."""
     from convert.dequantize import QuantizedCheckpoint
 
-    model = BeamForCausalLM.from_state_dict(BeamConfig.from_hf(ckpt), dequant(ckpt), torch.bfloat16)
-    files = weight_map(ckpt)
-    exact = QuantizedCheckpoint(ckpt)
+    q = QuantizedCheckpoint(ckpt)
+    cfg = BeamConfig.from_hf(ckpt)
+    state = {name: q.dequant_tensor(name).float() for name in _expected(cfg)}
+    model = model_from_state_dict(cfg, state, torch.float32)
     hooked = 0
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in files:
-            continue
-        module.weight.data = exact.dequant_tensor(f"{name}.weight")  # FP32, exact
-        with safe_open(str(files[f"{name}.weight"]), "pt") as f:
-            fp8 = f.get_slice(f"{name}.weight").get_dtype() == "F8_E4M3"
-        if fp8:
-            with safe_open(str(files[f"{name}.input_scale"]), "pt") as f:
-                scale = f.get_tensor(f"{name}.input_scale")
-            module.register_forward_pre_hook(
-                lambda m, args, s=scale: (fake_quant_fp8_activation(args[0].float(), s),))
+        if isinstance(module, torch.nn.Linear) and (quant := _input_quantizer(q, name)):
+            module.register_forward_pre_hook(lambda m, args, f=quant: (f(args[0]),))
             hooked += 1
-        else:  # NVFP4: W4A16
-            module.register_forward_pre_hook(lambda m, args: (args[0].float(),))
-        module.register_forward_hook(lambda m, args, out: out.to(torch.bfloat16))
-    exact.close()
-    model.hooked = hooked
-    return model
+        elif name.endswith("mlp.experts"):
+            quant13 = _input_quantizer(q, f"{name}.0.gate_proj")  # shared by the layer's experts
+            quant2 = _input_quantizer(q, f"{name}.0.down_proj")
+            if quant13 is not None:
+                _hook_experts(module, quant13, quant2)
+                hooked += 2
+    q.close()
+    return model, hooked
+
+
+def _expected(cfg):
+    from beam_trtllm.checkpoint import expected_tensors
+
+    return expected_tensors(cfg)
 
 
 @pytest.mark.parametrize("name, hooked", [
-    ("nvfp4", 6 * 4),               # FP8 q/k/v/o of 6 layers; NVFP4 MLPs unhooked
-    ("fp8", 6 * 4 + 3 + 5 * 16 * 3),  # FP8 everywhere (g_proj and lm_head stay BF16)
+    ("nvfp4", 6 * 5),              # FP8 q/k/v/gate/o of 6 layers; NVFP4 MLPs W4A16
+    ("fp8", 6 * 5 + 2 * 3 + 4 * 2),  # FP8 everywhere but lm_head: 2 dense MLPs, 4 MoE layers
 ])
-def test_quantized_engine_matches_reference_on_dequantized_weights(quantized, name, hooked):
+def test_quantized_engine_matches_the_model_on_its_weights(quantized, name, hooked):
     ckpt, engine_dir = quantized[name]
-    ref = reference_on_dequant(ckpt)
-    assert ref.hooked == hooked
+    model, n_hooked = model_on_exact_weights(ckpt)
+    assert n_hooked == hooked
     engine = Engine.from_dir(engine_dir, device="cpu")
     ps = prompts(40, [6, 23, 41])
     n = 8
-    results = drive(engine, {0: [(f"r{k}", p, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0))
-                                 for k, p in enumerate(ps)]})
+    results = drive(engine, {0: [(f"r{k}", p, greedy(n)) for k, p in enumerate(ps)]})
     for k, p in enumerate(ps):
-        want = ref.generate(torch.tensor([p]), n)[0, len(p):].tolist()
+        want = [int(t[0]) for t in stream(model, torch.tensor([p]), n)]
         assert results[f"r{k}"]["tokens"] == want, f"{name}: prompt of {len(p)}"
     # and the distributions, not just the argmax
     res = engine.generate([ps[2]], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0))[0]
-    lp = ref(torch.tensor([ps[2] + res["token_ids"]]))[0, len(ps[2]) - 1:-1].log_softmax(-1)
-    want = lp.gather(1, torch.tensor(res["token_ids"])[:, None])[:, 0]
+    lp = logits(model, torch.tensor([ps[2] + res["token_ids"]]))[0, len(ps[2]) - 1:-1]
+    want = lp.log_softmax(-1).gather(1, torch.tensor(res["token_ids"])[:, None])[:, 0]
     got = torch.tensor([x.logprob for x in res["logprobs"]])
-    torch.testing.assert_close(got, want, **tol("engine-vs-reference", torch.bfloat16))
+    torch.testing.assert_close(got, want, **tol("quantized-engine-vs-model", torch.float32))
 
 
-def fp8_kv_reference(monkeypatch, ref: BeamForCausalLM, ckpt) -> None:
-    """Make the reference's KV cache hold what an FP8 cache holds: keys and values stored as
-    fp8(clamp(x / scale)) * scale (FP32), read back for later steps; the step's own keys stay
-    unquantized (the engine's attention takes them from k_new)."""
-    from beam_trtllm import reference
+def fp8_kv_cache(model, ckpt):
+    """A transformers cache holding what the engine's FP8 cache holds."""
+    from transformers import DynamicCache
 
-    files = weight_map(ckpt)
-    scales = {}
-    for i in range(ref.config.num_hidden_layers):
-        for kind in ("k", "v"):
-            name = f"model.layers.{i}.self_attn.{kind}_proj.{kind}_scale"
-            with safe_open(str(files[name]), "pt") as f:
-                scales[i, kind] = f.get_tensor(name).float()
+    from convert.dequantize import QuantizedCheckpoint
+
+    q = QuantizedCheckpoint(ckpt)
+    scales = {i: tuple(q.tensor(f"model.layers.{i}.self_attn.{n}_proj.{n}_scale").float()
+                       for n in "kv") for i in range(model.config.num_hidden_layers)}
+    q.close()
 
     def fq(x, s):
-        return (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+        return ((x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
 
-    empty = reference.KVCache.empty
+    class FP8Cache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            ks, vs = scales[layer_idx]
+            return super().update(fq(key_states, ks), fq(value_states, vs), layer_idx, *args,
+                                  **kwargs)
 
-    def empty_fp8(cfg):
-        cache = empty(cfg)
-        for i, layer in enumerate(cache.layers):
-            layer.scales = (scales[i, "k"], scales[i, "v"])
-        return cache
-
-    def append(self, k, v, pos):
-        qk, qv = fq(k, self.scales[0]), fq(v, self.scales[1])
-        if self.k is None:
-            self.k, self.v, self.pos = qk, qv, pos
-            return k, v, pos
-        out = torch.cat([self.k, k.float()], 1), torch.cat([self.v, v.float()], 1)
-        self.k, self.v = torch.cat([self.k, qk], 1), torch.cat([self.v, qv], 1)
-        self.pos = torch.cat([self.pos, pos], 1)
-        return (*out, self.pos)
-
-    monkeypatch.setattr(reference.KVCache, "empty", staticmethod(empty_fp8))
-    monkeypatch.setattr(reference.LayerKV, "append", append)
+    return FP8Cache(config=model.config)
 
 
-def test_fp8_kv_cache_engine_matches_reference_with_fp8_kv(quantized, monkeypatch):
+def test_fp8_kv_cache_engine_matches_the_model_with_an_fp8_cache(quantized):
     ckpt, engine_dir = quantized["nvfp4-kv-fp8"]
     engine = Engine.from_dir(engine_dir, device="cpu")
     assert engine.kv.full.dtype == torch.float8_e4m3fn and engine.kv.k_scale[1] != 1.0
-    ref = reference_on_dequant(ckpt)
-    fp8_kv_reference(monkeypatch, ref, ckpt)
+    model, _ = model_on_exact_weights(ckpt)
     ps = prompts(42, [9, 37])  # longer than the window: the rings wrap in FP8
     results = drive(engine, {0: [(f"r{k}", p, greedy(10)) for k, p in enumerate(ps)]})
     for k, p in enumerate(ps):
-        assert results[f"r{k}"]["tokens"] == ref.generate(torch.tensor([p]), 10)[0, len(p):].tolist()
+        cache, feed, want = fp8_kv_cache(model, ckpt), torch.tensor([p]), []
+        with torch.inference_mode():
+            for _ in range(10):
+                token = model(input_ids=feed, cache=cache, use_cache=True).logits[0, -1].argmax()
+                want.append(int(token))
+                feed = token.view(1, 1)
+        assert results[f"r{k}"]["tokens"] == want
 
 
-def test_fp8_engine_with_split_projections_matches_reference(quantized, monkeypatch):
-    """The GPU's batch-1 q/k/v and o_proj splits (two FP32 partial sums that qk_prep and the
-    boundary's add_rmsnorm add) forced at every step on the CPU: the same greedy tokens as the
-    reference."""
+def test_fp8_engine_with_split_projections_matches_the_model(quantized, monkeypatch):
+    """The GPU's batch-1 q/k/v/gate and o_proj splits (two FP32 partial sums that qk_prep and
+    the boundary's add_rmsnorm add) forced at every step on the CPU: the same greedy tokens."""
     from beam_trtllm.engine.model import BeamModel
 
     calls = []
     monkeypatch.setattr(BeamModel, "split_k", lambda self, t, n, k: calls.append(t) or 2)
     ckpt, engine_dir = quantized["fp8"]
-    ref = reference_on_dequant(ckpt)
+    model, _ = model_on_exact_weights(ckpt)
     engine = Engine.from_dir(engine_dir, device="cpu")
     ps = prompts(43, [5, 29])
     results = drive(engine, {0: [(f"r{k}", p, greedy(8)) for k, p in enumerate(ps)]})
     assert len(calls) >= 2 * 6 * 8  # both projections of every layer of every step split
     for k, p in enumerate(ps):
-        assert results[f"r{k}"]["tokens"] == ref.generate(torch.tensor([p]), 8)[0, len(p):].tolist()
+        assert results[f"r{k}"]["tokens"] == [int(t[0]) for t in stream(model, torch.tensor([p]), 8)]

@@ -1,10 +1,13 @@
-"""The TensorRT-LLM adapter's pure parts (beam_trtllm/trtllm): weight mapping, residual folding,
-KV-head duplication, engine-args generation and validation, lazy imports. TensorRT-LLM itself is
-not installed here; nothing below imports or imitates it."""
+"""The TensorRT-LLM adapter's pure parts (beam_trtllm/trtllm): weight mapping, the attention's
+and the model's data flow against transformers' Beam, KV-head duplication, the HF config,
+engine-args generation and validation, lazy imports. TensorRT-LLM itself is not installed
+here; where its kernels run, the tests put plain torch (or transformers' eager attention) and
+say so."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -13,20 +16,20 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-import plugins  # noqa: F401  (torch.ops.beam.*: the reference implementations on CPU)
 from beam_trtllm.checkpoint import load_state_dict
-from beam_trtllm.config import BeamConfig, preset
-from beam_trtllm.quant_formats import quantize_nvfp4
-from beam_trtllm.reference import residual_add, rms_norm
+from beam_trtllm.config import BeamConfig, ConfigError, preset
+from beam_trtllm.hf_model import fuse_experts, model_from_state_dict
+from beam_trtllm.quant_formats import (dequantize_fp8, dequantize_nvfp4, nvfp4_scale_2,
+                                       quantize_fp8, quantize_nvfp4)
 from beam_trtllm.trtllm import LlmArgsError, WeightMappingError
 from beam_trtllm.trtllm.__main__ import main as trtllm_cli
-from beam_trtllm.trtllm.ops import apply_head_gate, prep_qkv
 from beam_trtllm.trtllm.llm_args import (ServingOptions, check_disagg_pair, engine_args,
                                          engine_args_yaml, max_attention_window,
                                          validate_engine_args)
-from beam_trtllm.trtllm.weight_mapper import (duplicate_kv_part, fold_residual_scale, fuse_parts,
-                                              module_loads, plan_weights)
+from beam_trtllm.trtllm.weight_mapper import (duplicate_kv_part, fuse_parts, gate_bias_shard,
+                                              merge_gate_into_q, module_loads, plan_weights)
 from conftest import tol
+from trtllm_emulation import emulated_attention, emulated_logits, transformers_attention
 
 HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 
@@ -72,37 +75,67 @@ def tiny(tiny_dir):
     return cfg, load_state_dict(tiny_dir, cfg)
 
 
+@pytest.fixture(scope="module")
+def hf_tiny(tiny):
+    """transformers' BeamForCausalLM (eager, FP32) on the tiny checkpoint: the oracle."""
+    return model_from_state_dict(*tiny, dtype=torch.float32)
+
+
 def test_every_tiny_tensor_is_consumed_exactly_once(tiny):
     cfg, state = tiny
     plan = plan_weights(cfg, state)
     placed = [name for parts in plan.values() for keys in parts.values() for name in keys.values()]
     assert sorted(placed) == sorted(state) and len(placed) == len(set(placed))
-    layer1 = "model.layers.1."  # a MoE layer of the tiny (first_k_dense_replace = 1)
-    assert plan[layer1 + "self_attn.qkv_proj"]["k_proj"] == {"weight": layer1 + "self_attn.k_proj.weight"}
-    assert plan[layer1 + "mlp.experts"][None]["15.w3.weight"] == layer1 + "mlp.experts.15.up_proj.weight"
-    assert set(plan[layer1 + "mlp.gate"][None]) == {"weight", "e_score_correction_bias"}
+    p = "model.layers.1."  # sparse in the tiny's D S S D S S pattern
+    qkv = plan[p + "self_attn.qkv_proj"]
+    assert qkv["gate_proj"] == {"weight": p + "self_attn.gate_proj.weight"}  # the output gate
+    assert plan[p + "self_attn"][None] == {"gate_bias": p + "self_attn.gate_bias"}
+    assert plan[p + "mlp.experts"][None]["15.up_proj.weight"] == p + "mlp.experts.15.up_proj.weight"
+    assert set(plan[p + "mlp.gate"][None]) == {"weight", "e_score_correction_bias"}
+    dense = plan["model.layers.3.mlp.gate_up_proj"]  # dense after sparse layers
+    assert dense["gate_proj"] == {"weight": "model.layers.3.mlp.gate_proj.weight"}
 
 
 def test_fused_modules_have_the_right_shapes_and_contents(tiny):
     cfg, state = tiny
     loads = module_loads(cfg, state)
-    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    h, d, hq = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+    q, kv = cfg.q_size, cfg.kv_size
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         qkv = fuse_parts(loads[p + "self_attn.qkv_proj"], p + "qkv_proj")["weight"]
-        assert qkv.shape == (q + 2 * kv, h)
-        assert torch.equal(qkv[q:q + kv], state[p + "self_attn.k_proj.weight"])
-        assert loads[p + "self_attn.g_proj"][0]["weight"].shape == (cfg.num_attention_heads, h)
+        assert qkv.shape == (cfg.qkv_gate_size, h)
+        for head in range(hq):  # [q_h; g_h] per head: TRT-LLM's attn_output_gate layout
+            rows = slice(head * d, (head + 1) * d)
+            assert torch.equal(qkv[2 * head * d:][:d], state[p + "self_attn.q_proj.weight"][rows])
+            assert torch.equal(qkv[(2 * head + 1) * d:][:d],
+                               state[p + "self_attn.gate_proj.weight"][rows])
+        assert torch.equal(qkv[2 * q:2 * q + kv], state[p + "self_attn.k_proj.weight"])
+        assert loads[p + "self_attn"] == [{"gate_bias": state[p + "self_attn.gate_bias"]}]
         if cfg.is_moe(i):
             experts = loads[p + "mlp.experts"][0]
-            assert len(experts) == 3 * cfg.n_routed_experts
-            assert experts["7.w1.weight"].shape == (cfg.moe_intermediate_size, h)
+            assert len(experts) == 3 * cfg.num_experts
+            assert torch.equal(experts["7.w1.weight"], state[p + "mlp.experts.7.gate_proj.weight"])
             assert experts["7.w2.weight"].shape == (h, cfg.moe_intermediate_size)
             assert loads[p + "mlp.gate"][0]["weight"].dtype == torch.float32
         else:
             gate_up = fuse_parts(loads[p + "mlp.gate_up_proj"], p + "gate_up_proj")["weight"]
             assert gate_up.shape == (2 * cfg.intermediate_size, h)
             assert torch.equal(gate_up[cfg.intermediate_size:], state[p + "mlp.up_proj.weight"])
+
+
+def test_fused_experts_map_like_per_expert_ones(tiny):
+    cfg, state = tiny
+    fused = fuse_experts(state, cfg)  # transformers' in-memory form, which vLLM also reads
+    assert "model.layers.1.mlp.experts.gate_up_proj" in fused
+    per_expert, from_fused = module_loads(cfg, state), module_loads(cfg, fused)
+    for i in cfg.moe_layers:
+        name = f"model.layers.{i}.mlp.experts"
+        a, b = per_expert[name][0], from_fused[name][0]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    both = {**fused, "model.layers.1.mlp.experts.3.up_proj.weight": torch.zeros(1)}
+    with pytest.raises(WeightMappingError, match="both hold model.layers.1.mlp.experts.3.up_proj"):
+        plan_weights(cfg, both)
 
 
 @pytest.mark.parametrize("name, why", [
@@ -112,95 +145,127 @@ def test_fused_modules_have_the_right_shapes_and_contents(tiny):
     ("model.layers.0.mlp.gate.weight", "not a Beam tensor of layer 0 (dense)"),
     ("model.layers.2.mlp.experts.16.up_proj.weight", "not a Beam tensor of layer 2"),
     ("model.layers.3.self_attn.q_proj.k_scale", "not a Beam tensor of layer 3"),
+    ("model.layers.3.self_attn.gate_bias.weight", "not a Beam tensor of layer 3"),
+    ("model.layers.0.self_attn.g_proj.weight", "is the per-head g_proj gate of .*v1"),
 ])
-def test_unknown_tensors_are_refused_by_name(tiny, name, why):
+def test_unknown_and_v1_tensors_are_refused_by_name(tiny, name, why):
     cfg, state = tiny
-    with pytest.raises(WeightMappingError, match=f"tensor {name}: .*{why}".replace("(", r"\(")
+    with pytest.raises(WeightMappingError, match=f"tensor {name}:? .*{why}".replace("(", r"\(")
                        .replace(")", r"\)")):
         plan_weights(cfg, [*state, name])
 
 
-def test_missing_tensor_is_refused_unless_partial(tiny):
+@pytest.mark.parametrize("dropped", ["model.layers.2.mlp.gate.e_score_correction_bias",
+                                     "model.layers.4.self_attn.gate_bias",
+                                     "model.layers.0.self_attn.gate_proj.weight"])
+def test_missing_tensor_is_refused_unless_partial(tiny, dropped):
     cfg, state = tiny
-    names = [n for n in state if n != "model.layers.2.mlp.gate.e_score_correction_bias"]
-    with pytest.raises(WeightMappingError,
-                       match="lacks tensor model.layers.2.mlp.gate.e_score_correction_bias$"):
+    names = [n for n in state if n != dropped]
+    with pytest.raises(WeightMappingError, match=f"lacks tensor {dropped}$"):
         plan_weights(cfg, names)
     plan_weights(cfg, names, complete=False)  # layer-wise partial loads: names only
 
 
-def test_folding_b_into_the_post_norms_gives_the_reference_model(tiny, tiny_model):
-    """The TRT-LLM model's data flow (beam::rmsnorm, then per sublayer beam::add_rmsnorm with the
-    mapper's folded post-norm weight, a_k and b = 1), with the reference's sublayers, reproduces
-    the reference logits (which apply a_k and b_k unfolded)."""
+# ------------------------------------------------------------- numerics against transformers
+@pytest.mark.parametrize("tp", [1, 2, 4])  # tiny: 4 query / 2 KV heads; TP 4 replicates KV
+@pytest.mark.parametrize("layer", [1, 2])  # tiny: layer 1 full (NoPE + SSMax), 2 sliding
+def test_attention_per_rank_matches_transformers(tiny, hf_tiny, layer, tp):
+    """Each TP rank's steps (its rows of the mapped qkv_proj, as TRT-LLM's loader splits them
+    -> beam::qk_prep -> attention -> element-wise gate with the rank's gate_bias -> its o_proj
+    columns), summed over ranks as the all-reduce does, give transformers' BeamAttention.
+    Positions 2030..2058 cross SSMax's 2047 and put the window far from position 0."""
     cfg, state = tiny
-    loads = module_loads(cfg, state)
-    ids = torch.randint(0, cfg.vocab_size, (1, 23), generator=torch.Generator().manual_seed(3))
-    positions = torch.arange(23)[None]
-    m, eps = tiny_model.model, cfg.rms_norm_eps
-    h = m.embed_tokens(ids)[0]
-    x = torch.ops.beam.rmsnorm(h, m.layers[0].input_layernorm.weight, eps)
-    for i, layer in enumerate(m.layers):
-        p = f"model.layers.{i}."
-        nxt = m.norm.weight if i == cfg.num_hidden_layers - 1 else m.layers[i + 1].input_layernorm.weight
-        y = layer.self_attn(x[None], positions)[0]
-        h, x = torch.ops.beam.add_rmsnorm(h, y, loads[p + "post_attention_layernorm"][0]["weight"],
-                                          layer.pre_feedforward_layernorm.weight,
-                                          cfg.residual_coeffs(2 * i)[0], 1.0, eps)
-        y = layer.mlp(x[None])[0]
-        h, x = torch.ops.beam.add_rmsnorm(h, y, loads[p + "post_feedforward_layernorm"][0]["weight"],
-                                          nxt, cfg.residual_coeffs(2 * i + 1)[0], 1.0, eps)
-    logits = tiny_model.lm_head(x).float()
-    torch.testing.assert_close(logits, tiny_model(ids)[0], **tol("fp32-reorder", torch.float32))
-
-
-def test_one_folded_boundary_matches_the_unfolded_formula():
-    """At realistic magnitudes (stream of unit variance, sublayer output up to ~4), deep in the
-    stack (k = 99: a = 0.995, b = 0.0995), in plain torch FP32."""
-    gen = torch.Generator().manual_seed(5)
-    h, y = torch.randn(19, 320, generator=gen), 4 * torch.randn(19, 320, generator=gen)
-    w_post = 1 + 0.1 * torch.randn(320, generator=gen)
-    a, b = BeamConfig().residual_coeffs(99)
-    unfolded = residual_add(h, rms_norm(y, w_post, 1e-6), a, b)
-    folded = a * h + rms_norm(y, fold_residual_scale(w_post.bfloat16(), b), 1e-6)
-    folded_w = fold_residual_scale(w_post.bfloat16(), b)
-    assert folded_w.dtype == torch.float32  # b * w is not re-rounded to BF16
-    unfolded_bf16w = residual_add(h, rms_norm(y, w_post.bfloat16(), 1e-6), a, b)
-    torch.testing.assert_close(folded, unfolded_bf16w, **tol("fp32-reorder", torch.float32))
-    assert not torch.equal(unfolded, unfolded_bf16w)  # the test data really is not BF16-exact
-
-
-def _attend(q, k, v, positions, cfg, window):
-    """Softmax attention in plain FP32 torch, standing where TRT-LLM's paged kernel runs."""
-    t, hq, d = q.shape[0], cfg.num_attention_heads, cfg.head_dim
-    q, k, v = q.view(t, hq, d), k.view(t, -1, d), v.view(t, -1, d)
-    k, v = (x.repeat_interleave(cfg.num_queries_per_kv, dim=1) for x in (k, v))
-    diff = positions[:, None] - positions[None, :]
-    visible = (diff >= 0) & ((diff < window) if window else True)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).reshape(t, hq * d)
-
-
-@pytest.mark.parametrize("layer", [1, 2])  # tiny: layer 1 is full (NoPE + SSMax), 2 sliding
-def test_attention_data_flow_matches_the_reference(tiny_model, layer):
-    """The TRT-LLM attention's own steps (packed [q k v g] -> beam::qk_prep with no cache ->
-    attention -> per-head sigmoid gate -> o_proj) reproduce the reference attention layer."""
-    cfg, attn = tiny_model.config, tiny_model.model.layers[layer].self_attn
+    loads = module_loads(cfg, state, tp_size=tp)
     x = torch.randn(29, cfg.hidden_size, generator=torch.Generator().manual_seed(layer))
-    positions = torch.arange(100, 129)  # SSMax scale ~5.5 (base 4); RoPE angles well mixed
-    g = attn.g_proj(x)
-    qkvg = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), g], dim=-1)
-    q, k, v = prep_qkv(qkvg, positions[None], attn.q_norm.weight, attn.k_norm.weight,
-                       cfg.num_key_value_heads, cfg, attn.is_full)
-    rq, rk, rv, _ = attn.project(x[None], positions[None])
-    for ours, ref in ((q, rq), (k, rk), (v, rv)):
-        assert torch.equal(ours, ref[0].reshape(29, -1))
-    window = None if attn.is_full else cfg.sliding_window
-    out = attn.o_proj(apply_head_gate(_attend(q, k, v, positions, cfg, window), g,
-                                      cfg.num_attention_heads))
-    torch.testing.assert_close(out, attn(x[None], positions[None])[0],
-                               **tol("fp32-reorder", torch.float32))
+    positions = torch.arange(2030, 2059)
+    ours, qkv = emulated_attention(cfg, loads, layer, x, positions, tp)
+    expected, expected_qkv = transformers_attention(hf_tiny, layer, x, positions)
+    torch.testing.assert_close(ours, expected, **tol("fp32-reorder", torch.float32))
+    if tp == 1:  # q, k, v as transformers' attention function receives them, bit for bit
+        for got, ref in zip(qkv, expected_qkv):
+            assert torch.equal(got, ref)
+
+
+def test_bf16_attention_rounds_where_transformers_rounds(tiny):
+    """In BF16 (TP 1, the CPU's GEMMs): the packed projection, beam::qk_prep's norms, RoPE or
+    SSMax and gate rnd(sigmoid(rnd(g + b))), and rnd(o * gate) give transformers' BF16
+    BeamAttention output bit for bit."""
+    cfg, state = tiny
+    hf_bf16 = model_from_state_dict(cfg, state, dtype=torch.bfloat16)
+    loads = module_loads(cfg, state)
+    for layer in (1, 2):
+        x = torch.randn(29, cfg.hidden_size, generator=torch.Generator().manual_seed(layer))
+        positions = torch.arange(2030, 2059)
+        ours, _ = emulated_attention(cfg, loads, layer, x.bfloat16(), positions, 1)
+        expected, _ = transformers_attention(hf_bf16, layer, x.bfloat16(), positions)
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, expected)
+
+
+def test_whole_model_data_flow_matches_transformers_logits(tiny, hf_tiny):
+    """TRT-LLM's BeamForCausalLM data flow at TP 1 (the mapped weights; beam::rmsnorm, the
+    attention of the test above, beam::add_rmsnorm with (a_k, b_k) at every boundary, the FP32
+    SwiGLU, TRT-LLM's routed-scale placement, the FP32 softcap) gives transformers' logits,
+    softcap included, over a prompt 5x the window, with the tiny's non-prefix dense layers."""
+    cfg, state = tiny
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    loads = module_loads(cfg, state)
+    ours = emulated_logits(cfg, loads, ids)
+    with torch.inference_mode():
+        expected = hf_tiny(input_ids=ids[None], use_cache=False).logits[0].float()
+    assert cfg.final_logit_softcapping == 30.0 and expected.abs().max() < 30
+    torch.testing.assert_close(ours, expected, **tol("fp32-reorder", torch.float32))
+    uncapped = emulated_logits(cfg.replace(final_logit_softcapping=None), loads, ids)
+    assert (uncapped - ours).abs().max() > 1e-2  # the softcap really acts at these logits
+
+
+# -------------------------------------------------------------- the gate in the q part (quant)
+def _q_and_gate(seed: int, heads: int = 4, d: int = 16, hidden: int = 64):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(heads * d, hidden, generator=gen) * s / hidden**0.5).bfloat16()
+            for s in (1.0, 3.0)]
+
+
+def test_nvfp4_gate_is_interleaved_with_its_block_scales():
+    q, g = _q_and_gate(1)
+    shared = torch.maximum(nvfp4_scale_2(q), nvfp4_scale_2(g))  # ModelOpt's fused-input rule
+    keys = ("weight", "weight_scale", "weight_scale_2")
+    parts = [dict(zip(keys, quantize_nvfp4(w.float(), shared)), input_scale=torch.tensor(0.01))
+             for w in (q, g)]
+    merged = merge_gate_into_q(parts[0], parts[1], 4, "qkv_proj")
+    deq = dequantize_nvfp4(merged["weight"], merged["weight_scale"], merged["weight_scale_2"])
+    rows = [dequantize_nvfp4(p["weight"], p["weight_scale"], p["weight_scale_2"]) for p in parts]
+    for head in range(4):
+        for j in range(2):  # q then gate rows of each head
+            assert torch.equal(deq[(2 * head + j) * 16:][:16], rows[j][head * 16:][:16])
+    assert merged["weight_scale_2"] is parts[0]["weight_scale_2"]
+    parts[1]["weight_scale_2"] = shared * 2
+    with pytest.raises(WeightMappingError, match="different weight_scale_2"):
+        merge_gate_into_q(parts[0], parts[1], 4, "qkv_proj")
+
+
+def test_fp8_gate_and_q_are_requantized_to_one_scale():
+    q, g = _q_and_gate(2)
+    parts = [dict(zip(("weight", "weight_scale"), quantize_fp8(w)), input_scale=torch.tensor(s))
+             for w, s in ((q, 0.02), (g, 0.03))]
+    top = torch.maximum(parts[0]["weight_scale"], parts[1]["weight_scale"])
+    assert parts[1]["weight_scale"] == top  # the gate was made 3x larger
+    merged = merge_gate_into_q(parts[0], parts[1], 4, "qkv_proj")
+    assert merged["weight_scale"] == top and merged["input_scale"] == torch.tensor(0.03)
+    deq = dequantize_fp8(merged["weight"], merged["weight_scale"]).view(4, 2, 16, -1)
+    orig = [dequantize_fp8(p["weight"], p["weight_scale"]).view(4, 16, -1) for p in parts]
+    assert torch.equal(deq[:, 1], orig[1])  # the part already at the larger scale: exact
+    err = (deq[:, 0] - orig[0]).abs()  # the other: re-rounded once, half an E4M3 step at most
+    assert (err <= orig[0].abs() * 2**-4 + top * 2**-10).all() and err.max() > 0
+    del parts[1]["input_scale"]
+    with pytest.raises(WeightMappingError, match="differ in tensor input_scale"):
+        merge_gate_into_q(parts[0], parts[1], 4, "qkv_proj")
+
+
+def test_gate_bias_is_split_by_heads():
+    bias = torch.arange(48.0)
+    assert torch.equal(gate_bias_shard(bias, 48, 8, 3), bias[18:24])
+    with pytest.raises(WeightMappingError, match="self_attn.gate_bias of shape \\[48\\]"):
+        gate_bias_shard(bias, 48, 5, 0)
 
 
 # ------------------------------------------------------------------------- KV-head duplication
@@ -235,16 +300,6 @@ def test_kv_duplication_for_tp16_gives_each_rank_its_query_heads_kv_head():
     assert duplicate_kv_part("q_proj", nvfp4, hkv, tp)["weight"] is nvfp4["weight"]
 
 
-def test_kv_duplication_through_the_mapping_for_tiny_tp4(tiny):
-    cfg, state = tiny  # 2 KV heads, 4 query heads: TP 4 replicates each KV head twice
-    parts = module_loads(cfg, state, tp_size=4)["model.layers.4.self_attn.qkv_proj"]
-    k = state["model.layers.4.self_attn.k_proj.weight"]
-    d = cfg.head_dim
-    assert parts[1]["weight"].shape == (4 * d, cfg.hidden_size)
-    assert torch.equal(parts[1]["weight"], torch.cat([k[:d], k[:d], k[d:], k[d:]]))
-    assert parts[0]["weight"] is state["model.layers.4.self_attn.q_proj.weight"]
-
-
 @pytest.mark.parametrize("tp, message", [(3, "does not divide the 8 KV heads"),
                                          (12, "not a multiple of the 8 KV heads")])
 def test_kv_duplication_refuses_uneven_tp(tp, message):
@@ -263,22 +318,36 @@ def test_fused_nvfp4_parts_must_share_weight_scale_2():
 
 
 # ------------------------------------------------------------------------------- HF config
-def test_hf_config_reads_the_checkpoint_and_refuses_a_bad_field(tiny_dir):
-    import json
-
+def test_transformers_beam_config_is_used_and_never_replaced(tiny_dir):
     from transformers import AutoConfig
+    from transformers import BeamConfig as TransformersBeamConfig
 
-    from beam_trtllm.config import ConfigError
-    from beam_trtllm.trtllm.configuration_beam import BeamHfConfig, beam_config, register_hf_config
+    from beam_trtllm.trtllm.configuration_beam import (beam_config, installed_beam_config_class,
+                                                       register_hf_config)
 
-    register_hf_config()
+    assert register_hf_config() is TransformersBeamConfig
+    assert installed_beam_config_class() is TransformersBeamConfig
     hf = AutoConfig.from_pretrained(tiny_dir)
-    assert isinstance(hf, BeamHfConfig) and beam_config(hf) == BeamConfig.from_hf(tiny_dir)
-    assert hf.num_experts == 16 and hf.architectures == ["BeamForCausalLM"]
-    assert hf.dtype == torch.bfloat16
+    assert type(hf) is TransformersBeamConfig
+    assert beam_config(hf) == BeamConfig.from_hf(tiny_dir)
     raw = json.loads((tiny_dir / "config.json").read_text())
-    with pytest.raises(ConfigError, match="layer_types has 5 entries but num_hidden_layers is 6"):
-        BeamHfConfig(**{**raw, "layer_types": raw["layer_types"][:5]})
+    v1 = TransformersBeamConfig.from_dict({**raw, "n_routed_experts": 16})  # kept as an attribute
+    with pytest.raises(ConfigError, match="v1 field 'n_routed_experts'"):
+        beam_config(v1)
+
+
+def test_fallback_hf_config_reads_the_canonical_fields_and_refuses_bad_ones(tiny_dir):
+    from beam_trtllm.trtllm.configuration_beam import BeamHfConfig, beam_config
+
+    raw = json.loads((tiny_dir / "config.json").read_text())
+    hf = BeamHfConfig(**raw)
+    assert beam_config(hf) == BeamConfig.from_hf(tiny_dir)
+    assert hf.num_experts == 16 and hf.mlp_layer_types == raw["mlp_layer_types"]
+    assert hf.final_logit_softcapping == 30.0 and hf.dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="mlp_layer_types has 5 entries but num_hidden_layers"):
+        BeamHfConfig(**{**raw, "mlp_layer_types": raw["mlp_layer_types"][:5]})
+    with pytest.raises(ConfigError, match="v1 field 'first_k_dense_replace'"):
+        BeamHfConfig(**{**raw, "first_k_dense_replace": 1})
 
 
 # ------------------------------------------------------------------------------ engine args
@@ -294,6 +363,7 @@ def test_501b_engine_args_per_role():
         assert [i for i, w in enumerate(window) if w == 131072] == [5, 11, 17, 23, 29, 35, 41, 47, 51]
         assert set(window[i] for i in cfg.sliding_layers) == {512}
         assert a["kv_cache_config"]["dtype"] == "fp8" and a["moe_config"] == {"backend": "CUTLASS"}
+        assert a["trust_remote_code"] is False  # transformers' own beam config: no remote code
         validate_engine_args(cfg, role, a)
     pre, dec = args["prefill"], args["decode"]
     assert (pre["disable_overlap_scheduler"], dec["disable_overlap_scheduler"]) == (True, False)
@@ -304,9 +374,11 @@ def test_501b_engine_args_per_role():
     assert (pre["kv_cache_config"]["enable_block_reuse"], dec["kv_cache_config"]["enable_block_reuse"]) \
         == (True, False)
     assert "cache_transceiver_config" not in args["agg"]
-    # The same numbers as dynamo_graphs/k8s.py computed (base 5 s + KV of the longest prompt at
-    # 50 MiB/s), so k8s.py can import this implementation instead of its copy.
-    expected_ms = int((5.0 + cfg.kv_bytes(32768, "fp8") / (50.0 * 2**20)) * 1000)
+    # KV of the longest prompt: 9 full layers x 8 KV heads x 128 x 2 (K, V) x 1 B (FP8) per
+    # token (18 KiB) plus 43 windows of 512; base 5 s + that at 50 MiB/s.
+    kv = 32768 * 9 * 8 * 128 * 2 + 43 * 512 * 8 * 128 * 2
+    assert cfg.kv_bytes(32768, "fp8") == kv
+    expected_ms = int((5.0 + kv / (50.0 * 2**20)) * 1000)
     for a in (pre, dec):
         assert a["cache_transceiver_config"] == {"backend": "NIXL", "max_tokens_in_buffer": 32768,
                                                  "kv_transfer_timeout_ms": expected_ms}

@@ -240,7 +240,7 @@ def _decode_make(p, max_size, device, gen):
     return {"q": torch.randn(b, hq, d, device=device, generator=gen).to(**bf16),
             "k_new": torch.randn(b, hkv, d, device=device, generator=gen).to(**bf16),
             "v_new": torch.randn(b, hkv, d, device=device, generator=gen).to(**bf16),
-            "gate": torch.rand(b, hq, device=device, generator=gen),
+            "gate": torch.rand(b, hq, d, device=device, generator=gen).to(**bf16),
             "k_cache": caches[0], "v_cache": caches[1], "q_start": q_start,
             "hist_start": torch.zeros(b, dtype=torch.int32, device=device), "cache_index": index,
             "scale": _scalar(1 / spread, device)}

@@ -32,11 +32,7 @@ SPLIT_LINEARS = ("self_attn.qkvg_proj", "self_attn.o_proj")
 
 
 def _may_split(name: str, segments: list[dict]) -> bool:
-    """As the engine loads them: one segment left once qkvg_proj's g_proj is set aside."""
-    from .model import gate_from_x
-
-    if name == "self_attn.qkvg_proj" and gate_from_x(segments):
-        segments = segments[:-1]
+    """As the engine runs them: a split Linear of one segment."""
     return name in SPLIT_LINEARS and len(segments) == 1
 
 
@@ -87,7 +83,7 @@ def moe_problems(cfg: BeamConfig, layer_plan: dict, decode: list[int], prefill: 
     for layer in layer_plan.values():
         if layer.get("experts") in TUNED_EXPERTS:
             formats[layer["experts"]] = formats.get(layer["experts"], 0) + 1
-    e, i, h, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
+    e, i, h, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
     out = []
     for fmt, uses in sorted(formats.items()):
         family = f"moe_{fmt}"
@@ -129,18 +125,16 @@ def attention_problems(cfg: BeamConfig, options, kv_dtype: str, decode: list[int
 
 def recipe_plan(cfg: BeamConfig, recipe: str) -> dict:
     """The layer plan a build of a shipped recipe writes (weights.py), for searches without a
-    checkpoint (bench/autotune_bench.py): attention projections FP8 W8A8 with the BF16 output
-    gate as a second qkvg segment; dense MLP and experts FP8 (recipe fp8) or NVFP4 (nvfp4)."""
+    checkpoint (bench/autotune_bench.py): attention projections FP8 W8A8, q/k/v and the output
+    gate's gate_proj in one qkvg segment (they share x, hence its input_scale); dense MLP and
+    experts FP8 (recipe fp8) or NVFP4 (nvfp4)."""
     if recipe not in ("fp8", "nvfp4"):
         raise ValueError(f"recipe must be fp8 or nvfp4, got {recipe!r}")
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     plan = {}
     for i in range(cfg.num_hidden_layers):
         layer = {"self_attn.qkvg_proj": [
-                     {"format": "fp8", "rows": qkv,
-                      "parts": [f"self_attn.{p}_proj" for p in "qkv"]},
-                     {"format": "bf16", "rows": cfg.num_attention_heads,
-                      "parts": ["self_attn.g_proj"]}],
+                     {"format": "fp8", "rows": cfg.qkv_gate_size,
+                      "parts": [f"self_attn.{p}_proj" for p in ("q", "k", "v", "gate")]}],
                  "self_attn.o_proj": [{"format": "fp8", "rows": cfg.hidden_size,
                                        "parts": ["self_attn.o_proj"]}]}
         if cfg.is_moe(i):

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 
-from ..checkpoint import CheckpointError, atomic_save, weight_map
+from ..checkpoint import (CheckpointError, SafetensorsCheckpoint, atomic_save, expected_tensors,
+                          is_v1_checkpoint, v1_error)
 from ..config import BeamConfig
-from .plan import BuildOptions, kv_plan
+from .plan import ACT_DTYPES, BuildOptions, kv_plan
 from .tuned_kernels import build_autotune
 from .types import EngineError
 from .weights import iter_engine_tensors
@@ -37,43 +37,47 @@ EXTRA_FILES = ("special_tokens_map.json", "chat_template.jinja")
 
 
 class CheckpointReader:
-    """Lazy tensor access to a checkpoint that remembers which tensors were used, so a build
-    can refuse tensors it does not understand (a mismatched or foreign checkpoint)."""
+    """Lazy tensor access to a checkpoint (fused experts seen per expert) that remembers which
+    tensors were used, so a build can refuse tensors it does not understand (a mismatched or
+    foreign checkpoint)."""
 
     def __init__(self, ckpt_dir: Path):
         self.dir = ckpt_dir
         try:
-            self.files = weight_map(ckpt_dir)
+            self.ckpt = SafetensorsCheckpoint(ckpt_dir)
         except CheckpointError as exc:
             raise EngineError(str(exc)) from exc
-        self._handles: dict[Path, object] = {}
-        self._dtypes: dict[str, torch.dtype] = {}
         self.used: set[str] = set()
 
-    def _handle(self, path: Path):
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path]
-
     def dtype(self, name: str) -> torch.dtype | None:
-        if name not in self.files:
-            return None
-        if name not in self._dtypes:
-            self._dtypes[name] = self._handle(self.files[name]).get_slice(name).get_dtype()
-        return _DTYPES.get(self._dtypes[name], self._dtypes[name])
+        return self.ckpt.dtype(name)
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.files:
+        if name not in self.ckpt.infos:
             raise EngineError(f"{self.dir}: checkpoint has no tensor {name}")
         self.used.add(name)
-        return self._handle(self.files[name]).get_tensor(name)
+        try:
+            return self.ckpt.get(name)
+        except CheckpointError as exc:
+            raise EngineError(str(exc)) from exc
 
     def unused(self) -> list[str]:
-        return sorted(set(self.files) - self.used)
+        return sorted(set(self.ckpt.infos) - self.used)
 
-
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-           "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
+    def check(self, cfg: BeamConfig) -> None:
+        """Refuse a v1 checkpoint, and name a tensor whose shape the config contradicts (FP8
+        weights as their float twins, NVFP4 weights with two codes a byte)."""
+        v1 = is_v1_checkpoint(self.ckpt.infos)
+        if v1:
+            raise EngineError(v1_error(str(self.dir), v1))
+        for name, (shape, _) in expected_tensors(cfg).items():
+            if name not in self.ckpt.infos:
+                continue
+            got, dtype = self.ckpt.infos[name]
+            want = (*shape[:-1], shape[-1] // 2) if dtype == torch.uint8 else shape
+            if tuple(got) != tuple(want):
+                raise EngineError(f"{self.dir}: tensor {name} has shape {list(got)}, config.json "
+                                  f"implies {list(want)}")
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
@@ -112,8 +116,8 @@ def _kv_dtype(reader: CheckpointReader, cfg: BeamConfig, opts: BuildOptions) -> 
         raise EngineError(f"--kv-dtype fp8 needs calibrated KV scales, but the checkpoint has no "
                           f"model.layers.{missing}.self_attn.k_proj.k_scale; convert with FP8 KV "
                           "or build with --kv-dtype bf16")
-    kv = opts.kv_dtype or ("fp8" if all(have) else "bf16")
-    if kv == "bf16":  # the scales are not used: mark them so they are not "unexpected"
+    kv = opts.kv_dtype or ("fp8" if all(have) else ACT_DTYPES[opts.dtype])
+    if kv != "fp8":  # the scales are not used: mark them so they are not "unexpected"
         reader.used.update(f"model.layers.{i}.self_attn.{n}_proj.{n}_scale" for i in layers
                            for n in ("k", "v") if reader.dtype(f"model.layers.{i}.self_attn.{n}_proj.{n}_scale"))
     return kv
@@ -143,13 +147,15 @@ def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOption
             raise EngineError(f"{ckpt_dir / name} is missing: an engine dir must carry the "
                               "tokenizer (Dynamo's frontend and `beam-trt generate` read it)")
     reader = CheckpointReader(ckpt_dir)
+    reader.check(cfg)
     kv_dtype = _kv_dtype(reader, cfg, opts)
     kv = kv_plan(cfg, opts, kv_dtype)
     tmp = engine_dir.with_name(f".{engine_dir.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        layer_plan, files = _write_weights(reader, cfg, tmp, kv_dtype, progress)
+        layer_plan, files = _write_weights(reader, cfg, tmp, kv_dtype, progress,
+                                           getattr(torch, opts.dtype))
         unused = reader.unused()
         if unused:
             more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
@@ -185,12 +191,12 @@ def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOption
     return engine_dir
 
 
-def _write_weights(reader, cfg, out: Path, kv_dtype: str, progress):
+def _write_weights(reader, cfg, out: Path, kv_dtype: str, progress, dtype: torch.dtype):
     plan, files = {}, {}
     groups = cfg.num_hidden_layers + 2
     for k, (group, tensors, layer_plan) in enumerate(
-            iter_engine_tensors(reader.get, reader.dtype, cfg), start=1):
-        if kv_dtype == "bf16":
+            iter_engine_tensors(reader.get, reader.dtype, cfg, dtype), start=1):
+        if kv_dtype != "fp8":
             tensors = {n: t for n, t in tensors.items() if not n.endswith(("k_scale", "v_scale"))}
         name = f"weights-{k:05d}-of-{groups:05d}.safetensors"
         atomic_save(out / name, tensors, metadata={"format": "pt", "group": group})

@@ -17,7 +17,7 @@ import torch
 from ..config import BeamConfig
 from .types import EngineError, KVCapacityError, LayerKV
 
-KV_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+KV_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 class KVCache:

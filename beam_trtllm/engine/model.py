@@ -1,14 +1,13 @@
 """Beam's forward pass for one engine step, through the `beam::` ops (docs/DESIGN.md §2).
 
-All sequences of a step are flattened into T tokens. Per layer: one packed QKV(+gate) GEMM,
-`qk_prep` (norms, RoPE or SSMax, gate, cache store), `attention` (paged or ring cache plus the
-step's own keys), the output projection, one fused `add_rmsnorm` per sublayer boundary, and
-either the dense SwiGLU or `group_router` + one `moe_*` call. Activations are BF16 on every
+All sequences of a step are flattened into T tokens. Per layer: one packed q/k/v/gate GEMM,
+`qk_prep` (norms, RoPE or SSMax, the output gate with its bias, cache store), `attention`
+(paged or ring cache plus the step's own keys, gated output), the output projection, one fused
+`add_rmsnorm` per sublayer boundary, and either the dense SwiGLU or `group_router` + one
+`moe_*` call (the routed scale on the summed output). The logits are softcapped in FP32. Activations are BF16 on every
 device; the KV cache layout and the restore rule are in `kv_cache.py` and docs/ENGINE.md.
 
 Launches saved where the checkpoint allows (same numerics, docs/ENGINE.md "Decode launches"):
-- a BF16 g_proj packed after non-BF16 q/k/v (the shipped recipes) is no GEMM: `qk_prep`
-  computes the gate from x and the g weight;
 - a Linear whose first segment is FP8 W8A8 gets its input as FP8 codes from the op that makes
   it: the norm before it (`rmsnorm_fp8` / `add_rmsnorm_fp8`, with the Linear's input_scale)
   or, for o_proj, the attention (`out_scale`), so `linear_fp8` runs no quantizer; likewise
@@ -23,12 +22,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from plugins._reference import swiglu
+
 from ..config import BeamConfig
 from .kv_cache import KVCache
 from .types import EngineError
 from .weights import LAYER_NORMS
 
-ACT_DTYPE = torch.bfloat16
+ACT_DTYPE = torch.bfloat16  # a build's default; a float32 build (CPU numerics checks) runs FP32
 
 
 def _ops():
@@ -58,15 +59,6 @@ class StepInputs:
     logits_rows: torch.Tensor    # [S] int64 rows whose logits are sampled
 
 
-def gate_from_x(plan_segments: list[dict]) -> bool:
-    """Whether a qkvg_proj plan ends in the BF16 g_proj segment that qk_prep computes from x
-    itself (the engine sets it aside: the rest can then be one FP8 GEMM, split over K at a
-    few tokens, `BeamModel._split_linear`)."""
-    last = plan_segments[-1]
-    return (len(plan_segments) > 1 and last["format"] == "bf16"
-            and last.get("parts") == ["self_attn.g_proj"])
-
-
 def fp8_input_scale(segments: list[tuple[str, dict]]) -> torch.Tensor | None:
     """The static activation scale of a packed Linear whose first segment is FP8 W8A8: the op
     that produces its input also writes the FP8 codes with it (see the module docstring)."""
@@ -75,7 +67,7 @@ def fp8_input_scale(segments: list[tuple[str, dict]]) -> torch.Tensor | None:
 
 
 def _linear(x: torch.Tensor | None, segments: list[tuple[str, dict]],
-            xq: torch.Tensor | None = None) -> torch.Tensor:
+            xq: torch.Tensor | None = None, act_dtype: torch.dtype = ACT_DTYPE) -> torch.Tensor:
     """x: the BF16 input (None when xq is all the segments need); xq: its FP8 codes with the
     first segment's input_scale (`fp8_input_scale`), or None."""
     outs = []
@@ -84,7 +76,7 @@ def _linear(x: torch.Tensor | None, segments: list[tuple[str, dict]],
             outs.append(F.linear(x, w["weight"]))
         elif fmt == "fp8" and j == 0 and xq is not None:
             outs.append(_ops().linear_fp8(xq, w["weight"], w["weight_scale"], w["input_scale"],
-                                          ACT_DTYPE))
+                                          act_dtype))
         elif fmt == "fp8":
             outs.append(_ops().linear_fp8(x, w["weight"], w["weight_scale"], w["input_scale"]))
         elif fmt == "fp8_block":
@@ -115,6 +107,7 @@ class BeamModel:
         # captures on its warm-up stream, whose counters the warm-up makes)
         take = _Taker(weights)
         self.embed = take("model.embed_tokens.weight")
+        self.act_dtype = self.embed.dtype  # the activations' dtype: the build's
         self.layers = [self._layer(take, layer_plan.get(f"layer{i}", {}), i)
                        for i in range(cfg.num_hidden_layers)]
         self.final_norm = take("model.norm.weight")
@@ -126,6 +119,7 @@ class BeamModel:
         layer = {n: take(f"{p}{n}.weight") for n in LAYER_NORMS}
         layer["q_norm"] = take(f"{p}self_attn.q_norm.weight")
         layer["k_norm"] = take(f"{p}self_attn.k_norm.weight")
+        layer["gate_bias"] = take(f"{p}self_attn.gate_bias")
         names = ["self_attn.qkvg_proj", "self_attn.o_proj"]
         if not self.cfg.is_moe(i):
             names += ["mlp.gate_up_proj", "mlp.down_proj"]
@@ -134,11 +128,6 @@ class BeamModel:
                 raise EngineError(f"engine.json: layer{i} has no plan for {name}")
             layer[name] = [(seg["format"], take.prefix(f"{p}{name}.{s}."))
                            for s, seg in enumerate(plan[name])]
-        layer["g_weight"] = None
-        qkvg = layer["self_attn.qkvg_proj"]
-        if gate_from_x(plan["self_attn.qkvg_proj"]):
-            layer["g_weight"] = qkvg[-1][1]["weight"]  # qk_prep computes the gate from x
-            layer["self_attn.qkvg_proj"] = qkvg[:-1]
         layer["attn_in_scale"] = fp8_input_scale(layer["self_attn.qkvg_proj"])
         layer["o_in_scale"] = (fp8_input_scale(layer["self_attn.o_proj"])
                                if len(layer["self_attn.o_proj"]) == 1 else None)
@@ -177,9 +166,13 @@ class BeamModel:
         (a split o_proj's; with y_weights, the MoE's per-slot outputs), which it adds."""
         a, b = self.cfg.residual_coeffs(sublayer)
         eps = self.cfg.rms_norm_eps
+        # the MoE's per-slot outputs get the routed scale on their weighted sum
+        y_scale = 1.0 if y_weights is None else self.cfg.routed_scaling_factor
         if scale is None:
-            return (*self.ops.add_rmsnorm(h, y, w_post, w_pre, a, b, eps, y_weights), None)
-        return self.ops.add_rmsnorm_fp8(h, y, w_post, w_pre, scale, a, b, eps, y_weights)
+            return (*self.ops.add_rmsnorm(h, y, w_post, w_pre, a, b, eps, y_weights, y_scale),
+                    None)
+        return self.ops.add_rmsnorm_fp8(h, y, w_post, w_pre, scale, a, b, eps, y_weights,
+                                        y_scale)
 
     def layer(self, i: int, h: torch.Tensor, x: torch.Tensor, xq: torch.Tensor | None,
               s: StepInputs, into: int | None = None):
@@ -199,8 +192,11 @@ class BeamModel:
                              y_weights)
 
     def logits(self, x: torch.Tensor, s: StepInputs) -> torch.Tensor:
-        # As the reference: the LM head's BF16 output, then FP32 for sampling.
-        return F.linear(x.index_select(0, s.logits_rows), self.lm_head).float()
+        """The LM head's BF16 output, then FP32, softcapped as transformers' BeamForCausalLM
+        does (tanh(l / cap) * cap in FP32): what the sampler and the logprobs see."""
+        logits = F.linear(x.index_select(0, s.logits_rows), self.lm_head).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _attention(self, i: int, layer: dict, x: torch.Tensor, xq: torch.Tensor | None,
                    s: StepInputs) -> torch.Tensor:
@@ -209,12 +205,11 @@ class BeamModel:
         k_cache, v_cache = kv.layer(i)
         ks, vs = kv.k_scale_t[i], kv.v_scale_t[i]
         qkvg = self._split_linear(x, layer["self_attn.qkvg_proj"], xq)
-        gate_from_x = () if layer["g_weight"] is None else (x, layer["g_weight"])
-        q, k, v, gate = ops.qk_prep(qkvg, s.positions, layer["q_norm"], layer["k_norm"], k_cache,
-                                    v_cache, s.slot_full if full else s.slot_sliding, ks, vs, full,
-                                    cfg.rms_norm_eps, cfg.rope_theta, cfg.ssmax_base,
-                                    cfg.ssmax_exponent, *gate_from_x,
-                                    out_dtype=ACT_DTYPE if qkvg.dim() == 3 else None)
+        q, k, v, gate = ops.qk_prep(qkvg, s.positions, layer["q_norm"], layer["k_norm"],
+                                    layer["gate_bias"], k_cache, v_cache,
+                                    s.slot_full if full else s.slot_sliding, ks, vs, full,
+                                    cfg.rms_norm_eps, cfg.rope_theta,
+                                    out_dtype=self.act_dtype if qkvg.dim() == 3 else None)
         if full and s.restore_rows.numel():
             # Prefix restore: these positions' exact K/V are in the cache; the recomputed ones
             # are exact only from restore start + (sliding layers below) * (window - 1).
@@ -231,7 +226,7 @@ class BeamModel:
                 ops.cache_write(k.index_select(0, s.write_rows), v.index_select(0, s.write_rows),
                                 k_cache, v_cache, s.write_slots, ks, vs)
         if o_scale is None:
-            return _linear(o, layer["self_attn.o_proj"])
+            return _linear(o, layer["self_attn.o_proj"], act_dtype=self.act_dtype)
         return self._split_linear(None, layer["self_attn.o_proj"], o)
 
     def _split_linear(self, x, segments, xq):
@@ -243,8 +238,8 @@ class BeamModel:
             split = self.split_k(xq.shape[0], *w["weight"].shape)
             if split > 1:
                 return self.ops.linear_fp8(xq, w["weight"], w["weight_scale"], w["input_scale"],
-                                           ACT_DTYPE, split)
-        return _linear(x, segments, xq)
+                                           self.act_dtype, split)
+        return _linear(x, segments, xq, self.act_dtype)
 
     def split_k(self, t: int, n: int, k: int) -> int:
         """K splits of an FP8 GEMM over t tokens whose consumer adds partial sums
@@ -261,12 +256,13 @@ class BeamModel:
         [k, T, H], their routing weights [T, k]) for the boundary's add_rmsnorm to combine."""
         cfg, ops = self.cfg, self.ops
         if not cfg.is_moe(i):
-            gu = _linear(x, layer["mlp.gate_up_proj"], xq)
+            gu = _linear(x, layer["mlp.gate_up_proj"], xq, self.act_dtype)
             inner = cfg.intermediate_size
-            return _linear(F.silu(gu[:, :inner]) * gu[:, inner:], layer["mlp.down_proj"]), None
+            h = swiglu(gu[:, :inner], gu[:, inner:])
+            return _linear(h, layer["mlp.down_proj"], act_dtype=self.act_dtype), None
         ids, weights = ops.group_router(x, layer["router_w"], layer["router_b"], cfg.n_group,
                                         cfg.topk_group, cfg.num_experts_per_tok,
-                                        cfg.routed_scaling_factor, cfg.norm_topk_prob)
+                                        cfg.norm_topk_prob)
         from plugins.add_rmsnorm import adds_partials
 
         per_slot = adds_partials(x.shape[0])
@@ -275,17 +271,19 @@ class BeamModel:
 
     def _experts(self, i, layer, x, xq, ids, weights, per_slot: bool) -> torch.Tensor:
         ops, e, fmt = self.ops, layer["experts"], layer["experts_fmt"]
+        # the routed scale multiplies the summed output (per-slot outputs: the boundary's)
+        kw = dict(per_slot=per_slot, scale=self.cfg.routed_scaling_factor)
         if fmt == "bf16":
-            return ops.moe_bf16(x, ids, weights, e["w13"], e["w2"], per_slot=per_slot)
+            return ops.moe_bf16(x, ids, weights, e["w13"], e["w2"], **kw)
         if fmt == "fp8":  # on the codes the boundary wrote with a13_scale
             return ops.moe_fp8(xq, ids, weights, e["w13"], e["w13_scale"], e["w2"], e["w2_scale"],
-                               e["a13_scale"], e["a2_scale"], ACT_DTYPE, per_slot=per_slot)
+                               e["a13_scale"], e["a2_scale"], self.act_dtype, **kw)
         if fmt == "fp8_block":
             return ops.moe_fp8_block(x, ids, weights, e["w13"], e["w13_scale"], e["w2"],
-                                     e["w2_scale"], per_slot=per_slot)
+                                     e["w2_scale"], **kw)
         if fmt == "nvfp4":
             return ops.moe_nvfp4(x, ids, weights, e["w13"], e["w13_scale"], e["w13_scale_2"],
-                                 e["w2"], e["w2_scale"], e["w2_scale_2"], per_slot=per_slot)
+                                 e["w2"], e["w2_scale"], e["w2_scale_2"], **kw)
         raise EngineError(f"layer {i}: expert format {fmt!r} has no beam:: op")
 
 

@@ -12,6 +12,7 @@ from ..config import KV_DTYPE_BYTES, BeamConfig
 from .types import EngineError
 
 TARGETS = ("cpu", "sm90", "sm100")
+ACT_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}  # --dtype -> its unquantized KV dtype
 GIB = 1 << 30
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -31,6 +32,7 @@ class BuildOptions:
     block_size: int = 32
     cuda_graph_batch_sizes: tuple[int, ...] = field(default=())
     autotune: str = "auto"           # kernel search on a matching GPU: auto | quick | off
+    dtype: str = "bfloat16"          # activations and unquantized weights; float32: CPU only
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -42,8 +44,15 @@ class BuildOptions:
                 raise EngineError(f"{flag} must be a positive integer, got {value!r}")
         if self.autotune not in ("auto", "quick", "off"):
             raise EngineError(f"--autotune must be auto, quick or off, got {self.autotune!r}")
-        if self.kv_dtype is not None and self.kv_dtype not in ("bf16", "fp8"):
-            raise EngineError(f"--kv-dtype must be bf16 or fp8, got {self.kv_dtype!r}")
+        if self.dtype not in ACT_DTYPES:
+            raise EngineError(f"--dtype must be one of {', '.join(ACT_DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float32" and self.target != "cpu":
+            raise EngineError("--dtype float32 builds a CPU engine for numerics checks; GPU "
+                              "targets run bfloat16 (the kernels' launch shapes are tuned for it)")
+        kv_allowed = ("fp32", "fp8") if self.dtype == "float32" else ("bf16", "fp8")
+        if self.kv_dtype is not None and self.kv_dtype not in kv_allowed:
+            raise EngineError(f"--kv-dtype must be {' or '.join(kv_allowed)} for a {self.dtype} "
+                              f"engine, got {self.kv_dtype!r}")
         if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
             raise EngineError(f"--kv-memory must be > 0 GiB, got {self.kv_memory_gib!r}")
         if self.max_num_tokens < self.max_batch:

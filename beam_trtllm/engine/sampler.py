@@ -17,7 +17,7 @@ from .types import SamplingParams, TokenLogprobs
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """One row [V] fp32 -> probabilities after temperature, top-k and top-p (the token that
-    crosses top_p is kept, as in beam_trtllm.reference.sample)."""
+    crosses top_p is kept, as in beam_trtllm.hf_model.sample)."""
     scaled = logits.float() / temperature
     sorted_logits, order = scaled.sort(descending=True)
     keep = torch.ones_like(sorted_logits, dtype=torch.bool)

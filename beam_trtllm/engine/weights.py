@@ -2,12 +2,13 @@
 
 Per decoder layer, from a BF16 or ModelOpt-quantized checkpoint (the format of each Linear is
 read off its tensors, so mixed precision works):
-- `self_attn.qkvg_proj`: q, k, v and g projections packed along the output dim, so one GEMM
-  produces the `qkvg` row `beam::qk_prep` takes. Matrices pack into one *segment* (one GEMM)
+- `self_attn.qkvg_proj`: q, k, v and the output gate's `gate_proj` packed along the output dim
+  (vLLM's qkv_gate_proj: all four read the same x), so one GEMM produces the `qkvg` row
+  `beam::qk_prep` takes; `self_attn.gate_bias` [Hq] beside it. Matrices pack into one *segment* (one GEMM)
   when they share a format and what the GEMM needs to share: FP8 W8A8 the activation scale
   (weight scales become per-row), NVFP4 the global `weight_scale_2` (ModelOpt's fused-input
   rule gives q/k/v one), 128-row alignment for FP8 blocks. Otherwise they become consecutive
-  segments (e.g. FP8 q/k/v plus the BF16 output gate the spec keeps unquantized).
+  segments (e.g. NVFP4 q/k/v with a gate_proj of another global scale).
 - `self_attn.o_proj`, dense `mlp.gate_up_proj` (gate rows, then up rows) and `mlp.down_proj`.
 - MoE: router weight/bias (FP32) and all experts stacked: `w13 [E, 2I, H]` (each expert's gate
   rows then up rows), `w2 [E, H, I]` plus the scales of §2.
@@ -34,7 +35,7 @@ FIELDS = {
 }
 PACKED = {  # engine name -> checkpoint Linears packed into it, in output-row order
     "self_attn.qkvg_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                            "self_attn.g_proj"),
+                            "self_attn.gate_proj"),
     "self_attn.o_proj": ("self_attn.o_proj",),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
@@ -60,11 +61,13 @@ def linear_format(get_dtype: Callable[[str], "torch.dtype | None"], name: str) -
                       "GEMM reads (bf16, float8_e4m3fn or uint8 NVFP4 expected)")
 
 
-def _part(get: Get, get_dtype, name: str, fmt: str) -> dict[str, torch.Tensor]:
-    """One checkpoint Linear in the engine's per-format fields (FP8 scales made per-row)."""
+def _part(get: Get, get_dtype, name: str, fmt: str,
+          dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """One checkpoint Linear in the engine's per-format fields (FP8 scales made per-row;
+    an unquantized weight in the engine's activation dtype)."""
     w = get(f"{name}.weight")
     if fmt == "bf16":
-        return {"weight": w.to(torch.bfloat16)}
+        return {"weight": w.to(dtype)}
     if fmt == "nvfp4":
         if get_dtype(f"{name}.input_scale") is not None:
             get(f"{name}.input_scale")  # W4A16 on Hopper: activations stay BF16, scale unused
@@ -113,7 +116,8 @@ def _concat(fmt: str, parts: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
-def pack_linears(get: Get, get_dtype, prefix: str, names: tuple[str, ...]):
+def pack_linears(get: Get, get_dtype, prefix: str, names: tuple[str, ...],
+                 dtype: torch.dtype = torch.bfloat16):
     """Checkpoint Linears `prefix + name` -> (engine tensors {"{seg}.{field}": t}, segment plan).
 
     Plan entry per segment: {"format", "parts", "rows"} (rows = output features)."""
@@ -121,7 +125,7 @@ def pack_linears(get: Get, get_dtype, prefix: str, names: tuple[str, ...]):
     for name in names:
         full = prefix + name
         fmt = linear_format(get_dtype, full)
-        part = _part(get, get_dtype, full, fmt)
+        part = _part(get, get_dtype, full, fmt, dtype)
         fmt = "fp8_block" if "_block" in part else fmt
         if segments and segments[-1][0] == fmt and _packable(fmt, segments[-1][2], part):
             segments[-1][1].append(name)
@@ -138,9 +142,10 @@ def pack_linears(get: Get, get_dtype, prefix: str, names: tuple[str, ...]):
 
 
 # ---------------------------------------------------------------------------- experts
-def pack_experts(get: Get, get_dtype, prefix: str, cfg: BeamConfig):
+def pack_experts(get: Get, get_dtype, prefix: str, cfg: BeamConfig,
+                 dtype: torch.dtype = torch.bfloat16):
     """All routed experts of one layer -> ({w13, w2, scales}, format) in the moe op layout."""
-    e_count = cfg.n_routed_experts
+    e_count = cfg.num_experts
     fmt = linear_format(get_dtype, f"{prefix}mlp.experts.0.gate_proj")
     gate, up, down = [], [], []
     for e in range(e_count):
@@ -149,9 +154,9 @@ def pack_experts(get: Get, get_dtype, prefix: str, cfg: BeamConfig):
             if linear_format(get_dtype, p + name) != fmt:
                 raise EngineError(f"{p}{name} is not {fmt} like expert 0's gate_proj: the moe op "
                                   "needs every expert of a layer in one format")
-        gate.append(_part(get, get_dtype, p + "gate_proj", fmt))
-        up.append(_part(get, get_dtype, p + "up_proj", fmt))
-        down.append(_part(get, get_dtype, p + "down_proj", fmt))
+        gate.append(_part(get, get_dtype, p + "gate_proj", fmt, dtype))
+        up.append(_part(get, get_dtype, p + "up_proj", fmt, dtype))
+        down.append(_part(get, get_dtype, p + "down_proj", fmt, dtype))
     if fmt == "fp8" and "_block" in gate[0]:
         fmt = "fp8_block"
     out = {"w13": torch.stack([torch.cat([g["weight"], u["weight"]]) for g, u in zip(gate, up)]),
@@ -199,26 +204,28 @@ def _shared_scale(parts: list[dict], what: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- whole model
-def layer_tensors(get: Get, get_dtype, cfg: BeamConfig, i: int):
-    """Engine tensors of decoder layer i and its plan entry (segments and expert format)."""
+def layer_tensors(get: Get, get_dtype, cfg: BeamConfig, i: int,
+                  dtype: torch.dtype = torch.bfloat16):
+    """Engine tensors of decoder layer i and its plan entry (segments and expert format);
+    unquantized tensors in `dtype` (the router FP32)."""
     p = f"model.layers.{i}."
     out: dict[str, torch.Tensor] = {}
     plan: dict = {}
     for norm in LAYER_NORMS:
-        out[f"{p}{norm}.weight"] = get(f"{p}{norm}.weight").to(torch.bfloat16)
-    for norm in ("q_norm", "k_norm"):
-        out[f"{p}self_attn.{norm}.weight"] = get(f"{p}self_attn.{norm}.weight").to(torch.bfloat16)
+        out[f"{p}{norm}.weight"] = get(f"{p}{norm}.weight").to(dtype)
+    for name in ("q_norm.weight", "k_norm.weight", "gate_bias"):
+        out[f"{p}self_attn.{name}"] = get(f"{p}self_attn.{name}").to(dtype)
     packed = ["self_attn.qkvg_proj", "self_attn.o_proj"]
     if not cfg.is_moe(i):
         packed += ["mlp.gate_up_proj", "mlp.down_proj"]
     for name in packed:
-        tensors, segs = pack_linears(get, get_dtype, p, PACKED[name])
+        tensors, segs = pack_linears(get, get_dtype, p, PACKED[name], dtype)
         out.update({f"{p}{name}.{k}": t for k, t in tensors.items()})
         plan[name] = segs
     if cfg.is_moe(i):
         out[f"{p}mlp.gate.weight"] = get(f"{p}mlp.gate.weight").float()
         out[f"{p}mlp.gate.e_score_correction_bias"] = get(f"{p}mlp.gate.e_score_correction_bias").float()
-        experts, fmt = pack_experts(get, get_dtype, p, cfg)
+        experts, fmt = pack_experts(get, get_dtype, p, cfg, dtype)
         out.update({f"{p}mlp.experts.{k}": t.contiguous() for k, t in experts.items()})
         plan["experts"] = fmt
     for kv in ("k", "v"):
@@ -228,11 +235,12 @@ def layer_tensors(get: Get, get_dtype, cfg: BeamConfig, i: int):
     return out, plan
 
 
-def iter_engine_tensors(get: Get, get_dtype, cfg: BeamConfig) -> Iterator[tuple[str, dict, dict]]:
+def iter_engine_tensors(get: Get, get_dtype, cfg: BeamConfig,
+                        dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, dict, dict]]:
     """Yield (group, tensors, plan) one group at a time: "embed", each layer, "head"."""
-    yield "embed", {"model.embed_tokens.weight": get("model.embed_tokens.weight").to(torch.bfloat16)}, {}
+    yield "embed", {"model.embed_tokens.weight": get("model.embed_tokens.weight").to(dtype)}, {}
     for i in range(cfg.num_hidden_layers):
-        tensors, plan = layer_tensors(get, get_dtype, cfg, i)
+        tensors, plan = layer_tensors(get, get_dtype, cfg, i, dtype)
         yield f"layer{i}", tensors, plan
-    yield "head", {"model.norm.weight": get("model.norm.weight").to(torch.bfloat16),
-                   "lm_head.weight": get("lm_head.weight").to(torch.bfloat16)}, {}
+    yield "head", {"model.norm.weight": get("model.norm.weight").to(dtype),
+                   "lm_head.weight": get("lm_head.weight").to(dtype)}, {}

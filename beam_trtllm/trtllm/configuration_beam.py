@@ -1,10 +1,15 @@
-"""Beam's Hugging Face config class, so `AutoConfig` (which TRT-LLM's `ModelConfig.from_pretrained`
-calls) can read a checkpoint whose `model_type` is "beam". Needs only `transformers`.
+"""Beam's Hugging Face config as TensorRT-LLM's model sees it. Needs only `transformers`.
 
-Every Beam field is validated by `BeamConfig` (the single source of architecture facts): a
-config.json that contradicts itself is refused with the field named, before TRT-LLM builds
-anything. TRT-LLM's own code reads a few fields under other names; they are derived here:
-`num_experts` (create_moe's default expert count), `torch_dtype` (module dtypes).
+transformers >= 5.24 ships the canonical `BeamConfig` for `model_type: "beam"`, and TRT-LLM's
+`ModelConfig.from_pretrained` gets it from `AutoConfig`: that class is used as is and is never
+replaced (replacing it would change how every other user of "beam" in the process reads a
+config). Older transformers releases (TRT-LLM may pin one) have no "beam";
+`register_hf_config()` then registers `BeamHfConfig`, a plain `PretrainedConfig` carrying the
+same canonical fields, so the checkpoint still reads.
+
+Either way the model reads the architecture through `beam_config(pretrained_config)`: the
+project's validated `BeamConfig`, so a config.json that contradicts itself is refused with the
+field named before TRT-LLM builds anything.
 """
 
 from __future__ import annotations
@@ -16,22 +21,26 @@ from transformers import AutoConfig, PretrainedConfig
 
 from beam_trtllm.config import BeamConfig, ConfigError
 
-_BEAM_FIELDS = tuple(f.name for f in dataclasses.fields(BeamConfig))
-# Token ids are PretrainedConfig fields too: leave them to it.
-_OWN_FIELDS = tuple(n for n in _BEAM_FIELDS if not n.endswith("_token_id"))
+# The canonical fields BeamHfConfig sets itself; token ids and the dtype are PretrainedConfig
+# fields too, left to it.
+_OWN_FIELDS = tuple(f.name for f in dataclasses.fields(BeamConfig)
+                    if f.name not in ("unknown_fields", "dtype")
+                    and not f.name.endswith("_token_id"))
 
 
 class BeamHfConfig(PretrainedConfig):
+    """The fallback "beam" config for transformers releases without one: the canonical fields
+    (those of transformers' BeamConfig), validated by `BeamConfig`."""
+
     model_type = "beam"
 
     def __init__(self, **kwargs: Any) -> None:
-        values = {name: kwargs.pop(name) for name in _OWN_FIELDS if name in kwargs}
-        token_ids = {n: kwargs.get(n) for n in ("bos_token_id", "eos_token_id", "pad_token_id")
-                     if kwargs.get(n) is not None}
-        try:  # validate first, so a bad config.json is refused with the field named
-            beam = BeamConfig.from_hf({**values, **token_ids, "model_type": "beam"})
+        try:  # validate first (every key: a v1 field is refused too), naming the field
+            beam = BeamConfig.from_hf({**kwargs, "model_type": "beam"})
         except ConfigError as exc:
             raise ConfigError(f"Beam config.json: {exc}") from None
+        for name in _OWN_FIELDS:
+            kwargs.pop(name, None)
         dtype = kwargs.pop("torch_dtype", None) or kwargs.pop("dtype", None) or "bfloat16"
         kwargs.setdefault("architectures", ["BeamForCausalLM"])
         kwargs["tie_word_embeddings"] = beam.tie_word_embeddings
@@ -39,12 +48,7 @@ class BeamHfConfig(PretrainedConfig):
         for name in _OWN_FIELDS:
             value = getattr(beam, name)
             object.__setattr__(self, name, list(value) if isinstance(value, tuple) else value)
-        self.num_experts = beam.n_routed_experts
         _set_dtype(self, dtype)
-
-    def beam_config(self) -> BeamConfig:
-        """The validated BeamConfig this HF config describes."""
-        return beam_config(self)
 
 
 def _set_dtype(config: PretrainedConfig, dtype: Any) -> None:
@@ -60,19 +64,27 @@ def _set_dtype(config: PretrainedConfig, dtype: Any) -> None:
 
 
 def beam_config(pretrained_config: Any) -> BeamConfig:
-    """BeamConfig from any config object or dict carrying Beam's HF fields (TRT-LLM hands the
-    model a PretrainedConfig; tests hand it a dict)."""
-    raw = pretrained_config if isinstance(pretrained_config, dict) else {
-        name: getattr(pretrained_config, name) for name in _BEAM_FIELDS
-        if getattr(pretrained_config, name, None) is not None}
+    """The validated BeamConfig of any config object or dict carrying Beam's HF fields
+    (transformers' BeamConfig, BeamHfConfig, or a plain dict in tests)."""
+    raw = pretrained_config if isinstance(pretrained_config, dict) else pretrained_config.to_dict()
+    # Every key, not only the known ones: a v1 field kept as a plain attribute (transformers'
+    # config keeps unknown keys) is refused instead of read as the default of its successor.
     return BeamConfig.from_hf({**raw, "model_type": "beam"})
 
 
-def register_hf_config() -> None:
-    """Make `AutoConfig.from_pretrained(ckpt)` return a BeamHfConfig in this process.
+def installed_beam_config_class() -> type | None:
+    """The config class transformers maps "beam" to in this process, or None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    `exist_ok=True` on purpose: recent transformers releases ship their own "beam" config whose
-    field and tensor names differ from this project's spec (docs/TRTLLM.md), and a checkpoint
-    this project writes must be read with the spec's fields. Only a process that imports the
-    TRT-LLM model module (an explicit choice to serve this layout) is affected."""
-    AutoConfig.register("beam", BeamHfConfig, exist_ok=True)
+    return CONFIG_MAPPING["beam"] if "beam" in CONFIG_MAPPING else None
+
+
+def register_hf_config() -> type:
+    """Make `AutoConfig.from_pretrained(ckpt)` able to read a Beam checkpoint in this process,
+    and return the class it will use: transformers' own BeamConfig when it has one (never
+    replaced), else BeamHfConfig, registered here."""
+    existing = installed_beam_config_class()
+    if existing is not None:
+        return existing
+    AutoConfig.register("beam", BeamHfConfig)
+    return BeamHfConfig

@@ -2,7 +2,7 @@
 worker with Beam registered.
 
 Dynamo's `python -m dynamo.trtllm` has no `--custom_module_dirs`; this wrapper imports the Beam
-model module (which registers BeamForCausalLM, its HF config and its weight mapper in this
+model module (which registers BeamForCausalLM and its weight mapper in this
 process) and then runs `dynamo.trtllm` exactly as `python -m` would, with the same arguments.
 """
 

@@ -12,7 +12,13 @@ Why each Beam-specific key is there:
 - `disable_overlap_scheduler` on prefill workers (TRT-LLM does not support it there), block
   reuse off on decode (reuse while a send is in flight can deadlock: TRT-LLM #12542).
 - `moe_config.backend`: never TRTLLM, whose DeepSeek-V3 gate keeps the router bias in BF16
-  while Beam's router runs entirely in FP32 (docs/ARCHITECTURE.md).
+  while Beam's router runs entirely in FP32 (shared/BEAM_SPEC.md "Router and experts").
+- `trust_remote_code: false`: a canonical checkpoint has no remote code; its `beam` config is
+  transformers' own (or the adapter's registered fallback, configuration_beam.py).
+
+Not engine args, so not here: the final logit softcap (`final_logit_softcapping`, applied by
+the model in FP32 after TRT-LLM's lm_head) and the routed scale (applied with the router's
+top-k weights); both come from config.json.
 
 This is the single implementation; `dynamo_graphs/k8s.py` renders its TRT-LLM manifests with it.
 """
@@ -83,9 +89,9 @@ def check_parallelism(cfg: BeamConfig, tp: int, ep: int) -> None:
               "nor replicated evenly (it must divide them or be a multiple of them)")
     if tp % ep:
         _fail("moe_expert_parallel_size", f"{ep} must divide tensor_parallel_size {tp}")
-    if cfg.n_routed_experts % ep:
-        _fail("moe_expert_parallel_size", f"{ep} does not divide n_routed_experts "
-              f"({cfg.n_routed_experts})")
+    if cfg.num_experts % ep:
+        _fail("moe_expert_parallel_size", f"{ep} does not divide num_experts "
+              f"({cfg.num_experts})")
 
 
 def _check_options(cfg: BeamConfig, o: ServingOptions, role: str) -> None:
@@ -162,7 +168,7 @@ def engine_args(cfg: BeamConfig, role: str, opts: ServingOptions | None = None) 
     max_seq_len, max_isl = resolved_lengths(cfg, o)
     args: dict[str, Any] = {
         "backend": "pytorch",
-        "trust_remote_code": True,
+        "trust_remote_code": False,
         "tensor_parallel_size": o.tensor_parallel_size,
         "moe_expert_parallel_size": o.moe_expert_parallel_size or o.tensor_parallel_size,
         "enable_attention_dp": o.enable_attention_dp,

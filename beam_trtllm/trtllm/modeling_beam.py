@@ -1,26 +1,23 @@
 """Beam for TensorRT-LLM's PyTorch backend: `BeamForCausalLM`, registered on import.
 
-Follows docs/ARCHITECTURE.md. Importing this module needs TensorRT-LLM (and Triton, for the
+The model is transformers' `BeamForCausalLM` (shared/BEAM_SPEC.md), on TRT-LLM's paged VSWA
+attention and fused MoE. Importing this module needs TensorRT-LLM (and Triton, for the
 `beam::` ops); without it the import fails at once with one MissingPackageError naming it.
 Written against the TRT-LLM 1.2 / 1.3 PyTorch-backend API (docs/TRTLLM.md lists the files and
 what could not be verified here).
 
-Data flow of one decoder layer, with x the normed input of the next sublayer and h the stream:
+Data flow of one decoder layer i, with x the normed input of the next sublayer and h the
+stream (a_k, b_k from BeamConfig.residual_coeffs, k = 2i attention, 2i + 1 FFN):
 
     y     = self_attn(x)                                  TRT-LLM paged (VSWA) attention
-    h, x  = beam::add_rmsnorm(h, y, w_post_attn*b_2i, w_pre_ffn, a_2i, 1, eps)
-    y     = mlp(x)                                        GatedMLP, or FP32 gate + fused MoE
-    h, x  = beam::add_rmsnorm(h, y, w_post_ffn*b_2i+1, w_next_pre, a_2i+1, 1, eps)
+    h, x  = beam::add_rmsnorm(h, y, w_post_attn, w_pre_ffn, a_2i, b_2i, eps)
+    y     = mlp(x)                                        SwiGLU MLP, or FP32 router + fused MoE
+    h, x  = beam::add_rmsnorm(h, y, w_post_ffn, w_next_pre, a_2i+1, b_2i+1, eps)
 
-Residual coefficients (h = a_k*h + b_k*post_norm(y), a_k, b_k from BeamConfig.residual_coeffs):
-- b_k is folded into the post-norm weight at load time: b*RMSNorm(y; w) = RMSNorm(y; b*w),
-  because RMSNorm multiplies its weight in after normalising (ResidualScaledRMSNorm).
-- a_k cannot be folded into TRT-LLM's fused residual RMSNorm (`RMSNorm(x, residual)` returns
-  `x + residual` with unit coefficients and has no operand to scale the residual), nor into any
-  weight: it scales the stream itself. Moving it into the weights would mean carrying
-  h / prod(a) instead of h, which changes what is rounded to BF16 at every boundary and so
-  drifts from the reference. The boundary is therefore the `beam::add_rmsnorm` op, which does
-  post-norm, a*h + y and the next pre-norm in one pass with the reference's roundings.
+`add_rmsnorm` is post-norm, h' = rnd(rnd(b * y_n) + rnd(a * h)) and the next pre-norm in one
+pass, with transformers' rounding points; TRT-LLM's fused residual RMSNorm adds with unit
+coefficients and cannot express it. The last boundary's next pre-norm is the final norm; the
+logits are softcapped in FP32 (`final_logit_softcapping`).
 """
 
 from __future__ import annotations
@@ -46,33 +43,37 @@ from tensorrt_llm._torch.modules.decoder_layer import DecoderLayer  # noqa: E402
 from tensorrt_llm._torch.modules.embedding import Embedding  # noqa: E402
 from tensorrt_llm._torch.modules.fused_moe import create_moe  # noqa: E402
 from tensorrt_llm._torch.modules.gated_mlp import GatedMLP  # noqa: E402
-from tensorrt_llm._torch.modules.linear import Linear, TensorParallelMode  # noqa: E402
+from tensorrt_llm._torch.modules.linear import TensorParallelMode  # noqa: E402
 from tensorrt_llm._torch.modules.qk_norm_attention import QKNormRoPEAttention  # noqa: E402
 from tensorrt_llm._torch.modules.rms_norm import RMSNorm  # noqa: E402
 from tensorrt_llm._torch.utils import AuxStreamType  # noqa: E402
-from tensorrt_llm.mapping import Mapping  # noqa: E402
 from torch import nn  # noqa: E402
+from transformers import PretrainedConfig  # noqa: E402
 
 import plugins  # noqa: E402,F401  (registers torch.ops.beam.*)
 
-from . import hf_weight_mapper  # noqa: E402,F401  (registers the "HF" mapper for Beam)
-from .configuration_beam import BeamHfConfig, beam_config, register_hf_config  # noqa: E402
-from .ops import apply_head_gate, prep_qkv  # noqa: E402
-from .weight_mapper import fold_residual_scale, plan_weights  # noqa: E402
+from . import hf_weight_mapper  # noqa: E402  (registers the "HF" mapper for Beam)
+from .configuration_beam import beam_config, register_hf_config  # noqa: E402
+from .ops import gated_output, prep_qkv, softcap_logits, swiglu  # noqa: E402
+from .weight_mapper import gate_bias_shard, plan_weights  # noqa: E402
 
-register_hf_config()
+register_hf_config()  # transformers' own "beam" config if it has one; never replaced
 
 
 class BeamAttention(QKNormRoPEAttention):
     """GQA with per-head Q/K RMSNorm, NeoX RoPE on sliding layers (window passed per call, so
-    TRT-LLM's VSWA cache keeps only the window), SSMax query scale on full (NoPE) layers, and
-    a per-head scalar sigmoid gate from g_proj.
+    TRT-LLM's VSWA cache keeps only the window), the SSMax query scale on full (NoPE) layers,
+    and the element-wise sigmoid output gate with a bias per head.
 
-    Both layer kinds are built without TRT-LLM positional embedding (`pos_embd_params=None`,
-    `skip_rope=True`): `apply_rope` does norm + RoPE or SSMax itself through `beam::qk_prep`,
-    which matches the reference bit for bit (RoPE angles in FP64, exact at 1M positions)."""
+    `attn_output_gate=True`: TRT-LLM's fused `qkv_proj` holds q, k, v and the output gate
+    (self_attn.gate_proj), one GEMM, the gate rows interleaved per head into the q part
+    (weight_mapper.merge_gate_into_q), so TP splits the gate by heads like q. No TRT-LLM
+    positional embedding on either layer kind (`pos_embd_params=None`, `skip_rope=True`):
+    `beam::qk_prep` does norms, RoPE or SSMax and the gate (with `gate_bias`, this rank's
+    heads) as transformers rounds them. With the gate, TRT-LLM's attention never emits an
+    FP8/NVFP4 output pre-scaled for o_proj (`_use_quantize_output` is False)."""
 
-    def __init__(self, model_config: ModelConfig[BeamHfConfig], layer_idx: int):
+    def __init__(self, model_config: ModelConfig[PretrainedConfig], layer_idx: int):
         pc = model_config.pretrained_config
         self.beam = cfg = beam_config(pc)
         self.is_full = cfg.is_full(layer_idx)
@@ -82,26 +83,31 @@ class BeamAttention(QKNormRoPEAttention):
             num_key_value_heads=cfg.num_key_value_heads,
             max_position_embeddings=cfg.max_position_embeddings, bias=False,
             pos_embd_params=None, skip_rope=True, fuse_qk_norm_rope=False, layer_idx=layer_idx,
-            dtype=pc.torch_dtype, dense_bias=False, config=model_config, rope_fusion=False)
-        # Column-parallel like q_proj: rank r gets the gate logits of its own query heads.
-        self.g_proj = Linear(
-            cfg.hidden_size, cfg.num_attention_heads, bias=False, dtype=pc.torch_dtype,
-            mapping=Mapping(world_size=self.tp_size, tp_size=self.tp_size, rank=self.tp_rank),
-            tensor_parallel_mode=TensorParallelMode.COLUMN,
-            quant_config=model_config.get_quant_config(),
-            skip_create_weights_in_init=model_config.skip_create_weights_in_init)
+            dtype=pc.torch_dtype, dense_bias=False, config=model_config,
+            attn_output_gate=True, rope_fusion=False)
+        # This rank's heads' biases (self.num_heads is the per-rank count after __init__).
+        self.gate_bias = nn.Parameter(torch.zeros(self.num_heads, dtype=pc.torch_dtype),
+                                      requires_grad=False)
 
     def _use_quantize_output(self) -> bool:
         # The gate multiplies the attention output before o_proj, so the attention kernel must
         # not emit an FP8/NVFP4 tensor pre-scaled for o_proj: o_proj quantizes its own input.
         return False
 
-    def apply_rope(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-                   position_ids: torch.Tensor):
-        """`q` is this rank's packed [q | k | v | g] projection (k, v None; see forward).
-        Returns normed q, k (RoPE'd on sliding layers, q SSMax-scaled on full ones) and v."""
-        return prep_qkv(q, position_ids, self.q_norm.weight, self.k_norm.weight,
-                        self.num_key_value_heads, self.beam, self.is_full)
+    def load_weights(self, weights: list[dict], **kwargs: Any) -> None:
+        """TRT-LLM's loader hands this module every `self_attn.*` tensor (its sub-Linears and
+        norms load their own); it takes `gate_bias`, this rank's heads."""
+        bias = weights[0].get("gate_bias")
+        if bias is None:
+            if kwargs.get("allow_partial_loading"):
+                return
+            raise TrtllmAdapterError(f"layer {self.layer_idx}: no self_attn.gate_bias tensor")
+        shard = gate_bias_shard(bias[:], self.num_heads * self.tp_size, self.tp_size, self.tp_rank)
+        self.gate_bias.data.copy_(shard.to(self.gate_bias.dtype))
+
+    def apply_rope(self, q, k, v, position_ids):
+        raise TrtllmAdapterError("BeamAttention.apply_rope: Beam's norms, RoPE/SSMax and gate "
+                                 "run in BeamAttention.forward (beam::qk_prep)")
 
     def forward(self, position_ids: Optional[torch.IntTensor], hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata,
@@ -109,25 +115,39 @@ class BeamAttention(QKNormRoPEAttention):
                 lora_params: Optional[dict] = None, **kwargs: Any) -> torch.Tensor:
         if lora_params:
             raise TrtllmAdapterError("LoRA is not supported by the Beam TRT-LLM model")
-        gate_logits = self.g_proj(hidden_states)
-        qkvg = torch.cat([self.qkv_proj(hidden_states), gate_logits], dim=-1)
-        q, k, v = self.apply_rope(qkvg, None, None, position_ids)
+        q, k, v, gate = prep_qkv(self.qkv_proj(hidden_states), position_ids, self.q_norm.weight,
+                                 self.k_norm.weight, self.gate_bias, self.num_heads,
+                                 self.num_key_value_heads, self.beam, self.is_full)
         q, k, v = self.convert_qkv(q, k, v)
         attn = self.forward_impl(q, k, v, attn_metadata, attention_mask,
                                  self.attention_window_size, None, mrope_config=None)
-        attn = apply_head_gate(attn, gate_logits, self.num_heads)
-        return self.o_proj(attn, all_reduce_params=all_reduce_params, layer_idx=self.layer_idx)
+        return self.o_proj(gated_output(attn, gate), all_reduce_params=all_reduce_params,
+                           layer_idx=self.layer_idx)
+
+
+class BeamMLP(GatedMLP):
+    """A dense layer's SwiGLU: TRT-LLM's fused gate_up_proj and down_proj, with the activation
+    in FP32 and one rounding (transformers' BeamMLP) instead of GatedMLP's fused kernel."""
+
+    def forward(self, x: torch.Tensor, all_rank_num_tokens=None, final_all_reduce_params=None,
+                lora_params: Optional[dict] = None, **kwargs: Any) -> torch.Tensor:
+        if lora_params:
+            raise TrtllmAdapterError("LoRA is not supported by the Beam TRT-LLM model")
+        return self.down_proj(swiglu(self.gate_up_proj(x)),
+                              all_reduce_params=final_all_reduce_params)
 
 
 class BeamGate(DeepseekV3Gate):
     """DeepSeek-V3 group router with an FP32 weight and bias, logits computed in FP32.
 
     TRT-LLM's routing (sigmoid, +bias for selection, top-2 sum per group, top topk_group
-    groups, top-k, renormalised unbiased weights * routed_scaling_factor) is Beam's router;
-    only the logits GEMM is replaced: TRT-LLM's dsv3_router_gemm_op takes BF16 activations,
-    and the spec upcasts x and keeps W in FP32."""
+    groups, top-k, renormalised unbiased weights) is Beam's router. It multiplies the top-k
+    weights by routed_scaling_factor before the experts' FP32 weighted sum, which is
+    transformers' scale of the summed output up to FP32 reassociation (one rounding either
+    way). Only the logits GEMM is replaced: TRT-LLM's dsv3_router_gemm_op takes BF16
+    activations, and Beam upcasts x and keeps W in FP32."""
 
-    def __init__(self, model_config: ModelConfig[BeamHfConfig]):
+    def __init__(self, model_config: ModelConfig[PretrainedConfig]):
         cfg = beam_config(model_config.pretrained_config)
         if model_config.moe_backend.upper() == "TRTLLM":
             raise TrtllmAdapterError(
@@ -136,7 +156,7 @@ class BeamGate(DeepseekV3Gate):
         if not cfg.norm_topk_prob:
             raise TrtllmAdapterError("norm_topk_prob false: TRT-LLM's DeepSeek-V3 routing "
                                      "always renormalises the top-k weights")
-        super().__init__(cfg.hidden_size, cfg.n_routed_experts, top_k=cfg.num_experts_per_tok,
+        super().__init__(cfg.hidden_size, cfg.num_experts, top_k=cfg.num_experts_per_tok,
                          n_group=cfg.n_group, topk_group=cfg.topk_group,
                          routed_scaling_factor=cfg.routed_scaling_factor, dtype=torch.float32,
                          fuse_routing_kernel=True, apply_routing=False,
@@ -149,12 +169,13 @@ class BeamGate(DeepseekV3Gate):
 class BeamMoE(nn.Module):
     """Routed experts only: no shared expert (so not Deepseekv3MoE, which always builds one)."""
 
-    def __init__(self, model_config: ModelConfig[BeamHfConfig], layer_idx: int, aux_stream_dict):
+    def __init__(self, model_config: ModelConfig[PretrainedConfig], layer_idx: int,
+                 aux_stream_dict):
         super().__init__()
         cfg = beam_config(model_config.pretrained_config)
         self.gate = BeamGate(model_config)
         self.experts = create_moe(
-            routing_method=self.gate.routing_method, num_experts=cfg.n_routed_experts,
+            routing_method=self.gate.routing_method, num_experts=cfg.num_experts,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
             dtype=model_config.pretrained_config.torch_dtype, reduce_results=False,
             model_config=model_config, aux_stream_dict=aux_stream_dict, layer_idx=layer_idx)
@@ -169,36 +190,27 @@ class BeamMoE(nn.Module):
         return self.allreduce(out) if self.allreduce is not None else out
 
 
-class ResidualScaledRMSNorm(RMSNorm):
-    """A post-norm whose weight holds b_k * w (FP32): see the module docstring."""
-
-    def __init__(self, hidden_size: int, eps: float, residual_scale: float):
-        super().__init__(hidden_size=hidden_size, eps=eps, dtype=torch.float32)
-        self.residual_scale = residual_scale
-
-    def load_weights(self, weights: list[dict], **kwargs: Any) -> None:
-        self.weight.data.copy_(fold_residual_scale(weights[0]["weight"][:], self.residual_scale))
-
-
 class BeamDecoderLayer(DecoderLayer):
 
-    def __init__(self, model_config: ModelConfig[BeamHfConfig], layer_idx: int, aux_stream_dict):
+    def __init__(self, model_config: ModelConfig[PretrainedConfig], layer_idx: int,
+                 aux_stream_dict):
         super().__init__()
         cfg = beam_config(model_config.pretrained_config)
-        h, self.eps, dtype = cfg.hidden_size, cfg.rms_norm_eps, model_config.pretrained_config.torch_dtype
-        (self.a_attn, b_attn), (self.a_ffn, b_ffn) = (cfg.residual_coeffs(2 * layer_idx),
-                                                      cfg.residual_coeffs(2 * layer_idx + 1))
+        h, self.eps = cfg.hidden_size, cfg.rms_norm_eps
+        dtype = model_config.pretrained_config.torch_dtype
+        self.attn_coeffs = cfg.residual_coeffs(2 * layer_idx)
+        self.ffn_coeffs = cfg.residual_coeffs(2 * layer_idx + 1)
         self.layer_idx, self.is_moe = layer_idx, cfg.is_moe(layer_idx)
         self.input_layernorm = RMSNorm(hidden_size=h, eps=self.eps, dtype=dtype)
         self.self_attn = BeamAttention(model_config, layer_idx)
-        self.post_attention_layernorm = ResidualScaledRMSNorm(h, self.eps, b_attn)
+        self.post_attention_layernorm = RMSNorm(hidden_size=h, eps=self.eps, dtype=dtype)
         self.pre_feedforward_layernorm = RMSNorm(hidden_size=h, eps=self.eps, dtype=dtype)
         if self.is_moe:
             self.mlp = BeamMoE(model_config, layer_idx, aux_stream_dict)
         else:
-            self.mlp = GatedMLP(hidden_size=h, intermediate_size=cfg.intermediate_size, bias=False,
-                                dtype=dtype, config=model_config, layer_idx=layer_idx)
-        self.post_feedforward_layernorm = ResidualScaledRMSNorm(h, self.eps, b_ffn)
+            self.mlp = BeamMLP(hidden_size=h, intermediate_size=cfg.intermediate_size, bias=False,
+                               dtype=dtype, config=model_config, layer_idx=layer_idx)
+        self.post_feedforward_layernorm = RMSNorm(hidden_size=h, eps=self.eps, dtype=dtype)
 
     def forward(self, position_ids: torch.IntTensor, hidden_states: torch.Tensor,
                 attn_metadata: AttentionMetadata, residual: Optional[torch.Tensor] = None,
@@ -208,16 +220,16 @@ class BeamDecoderLayer(DecoderLayer):
         y = self.self_attn(position_ids=position_ids, hidden_states=hidden_states,
                            attn_metadata=attn_metadata)
         h, x = torch.ops.beam.add_rmsnorm(residual, y, self.post_attention_layernorm.weight,
-                                          self.pre_feedforward_layernorm.weight, self.a_attn, 1.0,
-                                          self.eps)
+                                          self.pre_feedforward_layernorm.weight,
+                                          *self.attn_coeffs, self.eps)
         y = self.mlp(x, attn_metadata) if self.is_moe else self.mlp(x)
         return torch.ops.beam.add_rmsnorm(h, y, self.post_feedforward_layernorm.weight,
-                                          next_norm_weight, self.a_ffn, 1.0, self.eps)[::-1]
+                                          next_norm_weight, *self.ffn_coeffs, self.eps)[::-1]
 
 
 class BeamModel(DecoderModel):
 
-    def __init__(self, model_config: ModelConfig[BeamHfConfig]):
+    def __init__(self, model_config: ModelConfig[PretrainedConfig]):
         super().__init__(model_config)
         cfg = self.beam = beam_config(model_config.pretrained_config)
         dtype = model_config.pretrained_config.torch_dtype
@@ -248,12 +260,21 @@ class BeamModel(DecoderModel):
 
 
 @register_auto_model("BeamForCausalLM")
-class BeamForCausalLM(DecoderModelForCausalLM[BeamModel, BeamHfConfig]):
+class BeamForCausalLM(DecoderModelForCausalLM[BeamModel, PretrainedConfig]):
 
-    def __init__(self, model_config: ModelConfig[BeamHfConfig]):
-        cfg = beam_config(model_config.pretrained_config)
+    def __init__(self, model_config: ModelConfig[PretrainedConfig]):
+        cfg = self.beam = beam_config(model_config.pretrained_config)
         super().__init__(BeamModel(model_config), config=model_config,
                          hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """TRT-LLM's lm_head and logits gathering, then the FP32 softcap."""
+        logits = super().forward(*args, **kwargs)
+        if not isinstance(logits, torch.Tensor):
+            raise TrtllmAdapterError(f"BeamForCausalLM.forward: TRT-LLM returned a "
+                                     f"{type(logits).__name__}, not the logits tensor the "
+                                     "softcap applies to")
+        return softcap_logits(logits, self.beam.final_logit_softcapping)
 
     def load_weights(self, weights, weight_mapper=None, *args: Any, **kwargs: Any):
         # TRT-LLM's loader ignores tensors no module asks for and leaves parameters without a
@@ -261,6 +282,8 @@ class BeamForCausalLM(DecoderModelForCausalLM[BeamModel, BeamHfConfig]):
         # an error naming it (a partial load only checks that every name is a Beam tensor).
         names = weights.keys() if hasattr(weights, "keys") else None
         if names is not None:  # newer layer-wise loaders may hand over a stream instead
-            cfg = beam_config(self.model_config.pretrained_config)
-            plan_weights(cfg, names, complete=not kwargs.get("allow_partial_loading", False))
+            plan_weights(self.beam, names, complete=not kwargs.get("allow_partial_loading", False))
+        if weight_mapper is None:  # the legacy path knows no output gate in qkv_proj
+            weight_mapper = hf_weight_mapper.BeamHfWeightMapper()
+            weight_mapper.init_model_and_config(self, self.model_config)
         return super().load_weights(weights, weight_mapper, *args, **kwargs)

@@ -9,6 +9,9 @@ import torch
 from beam_trtllm import quant_formats as qf
 
 FORMATS = ("bf16", "fp8", "fp8_block", "nvfp4")
+# Beam's routed_scaling_factor: the moe_* ops' `scale`, on the summed output (the routing
+# weights themselves sum to 1)
+ROUTED_SCALE = 2.5
 
 
 def dense_experts(e: int, h: int, inner: int, seed: int, dtype=torch.bfloat16):
@@ -66,12 +69,13 @@ def activation_scales(x: torch.Tensor, h_amax: float) -> dict:
 
 def random_routing(t: int, e: int, k: int, seed: int, experts: int | None = None):
     """Distinct ids per token (as the router gives), drawn from the first `experts` experts only
-    (the rest get no tokens); positive weights summing to 2.5 (routed_scaling_factor)."""
+    (the rest get no tokens); positive weights renormalised as the router's, w / (sum + 1e-20)
+    (the routed scale is the ops' `scale`, ROUTED_SCALE)."""
     g = torch.Generator().manual_seed(seed)
     pool = e if experts is None else experts
     ids = torch.rand(t, pool, generator=g).topk(k, dim=-1).indices.to(torch.int32)
     w = torch.rand(t, k, generator=g) + 0.05
-    return ids, (w / w.sum(-1, keepdim=True) * 2.5).float()
+    return ids, (w / (w.sum(-1, keepdim=True) + 1e-20)).float()
 
 
 def moe_args(fmt: str, x, ids, weights, packed: dict, scales: dict | None = None) -> tuple:
@@ -88,7 +92,7 @@ def moe_args(fmt: str, x, ids, weights, packed: dict, scales: dict | None = None
 
 def decoded_experts(fmt: str, gate, up, down, dtype):
     """Each matrix quantized in its checkpoint form and decoded with quant_formats' decoders
-    (independent of the repacking): what reference.py's BeamMoE runs on."""
+    (independent of the repacking): what transformers' BeamMoE runs on in the tests."""
     def one(w, shared=None):
         if fmt == "bf16":
             return w.to(dtype)

@@ -78,7 +78,8 @@ def attention_case(seqs: list[Seq], hq: int, hkv: int, d: int, window: int, bloc
         q=_randn(gen, t, hq, d, scale=2.0).to(dtype),  # normed queries, scores of std ~2
         k_new=_randn(gen, t, hkv, d).to(dtype),
         v_new=_randn(gen, t, hkv, d).to(dtype),
-        gate=torch.sigmoid(_randn(gen, t, hq, scale=2.0)),
+        # the output gate per element, as qk_prep returns it: rnd(sigmoid(logit + bias))
+        gate=torch.sigmoid(_randn(gen, t, hq, d, scale=2.0).to(dtype)),
         k_cache=k_cache, v_cache=v_cache,
         cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).int(),
         q_start=torch.tensor([s.cached for s in seqs], dtype=torch.int32),
@@ -90,14 +91,16 @@ def attention_case(seqs: list[Seq], hq: int, hkv: int, d: int, window: int, bloc
 
 
 class OpsAttentionLayer:
-    """One reference BeamAttention layer run through beam::qk_prep / attention / cache_write
-    for a batch of sequences, with the KV layout of DESIGN.md §3."""
+    """One Beam attention layer (transformers' BeamAttention's weights) run through
+    beam::qk_prep / attention / cache_write for a batch of sequences, with the KV layout of
+    DESIGN.md §3."""
 
-    def __init__(self, attn, n_seqs: int, max_len: int, block_size: int, kv_dtype,
+    def __init__(self, cfg, attn, n_seqs: int, max_len: int, block_size: int, kv_dtype,
                  device: str = "cpu", seed: int = 0):
-        cfg, self.attn, self.device = attn.cfg, attn, device
+        self.cfg, self.attn, self.device = cfg, attn, device
+        self.is_full = cfg.is_full(attn.layer_idx)
         gen = torch.Generator().manual_seed(seed)
-        self.window = 0 if attn.is_full else cfg.sliding_window
+        self.window = 0 if self.is_full else cfg.sliding_window
         self.bs = self.window or block_size
         if self.window:
             self.index = torch.randperm(n_seqs + 1, generator=gen)[:n_seqs, None]
@@ -113,8 +116,8 @@ class OpsAttentionLayer:
         self.k_scale = torch.tensor(6.0 / 448 if fp8 else 1.0, device=device)
         self.v_scale = torch.tensor(3.0 / 448 if fp8 else 1.0, device=device)
         self.hist = torch.zeros(n_seqs, dtype=torch.int32)
-        w = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.g_proj.weight]
-        self.w_qkvg = torch.cat(w).to(device)
+        w = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.gate_proj.weight]
+        self.w_qkvg = torch.cat(w).to(device)  # the engine's packed q/k/v/gate projection
         self.w_o = attn.o_proj.weight.to(device)
 
     def slots(self, b: int, positions: torch.Tensor, write: bool) -> torch.Tensor:
@@ -125,7 +128,7 @@ class OpsAttentionLayer:
 
     def step(self, xs: list[torch.Tensor], starts: list[int]) -> list[torch.Tensor]:
         """xs[b]: [n_b, H] inputs of sequence b at positions starts[b]...; returns [n_b, H]."""
-        cfg, dev = self.attn.cfg, self.device
+        cfg, dev = self.cfg, self.device
         pos = [torch.arange(s, s + x.shape[0]) for s, x in zip(starts, xs)]
         # Sliding layers write the ring in qk_prep only for one-token steps (DESIGN.md §3).
         direct = [not self.window or x.shape[0] == 1 for x in xs]
@@ -133,9 +136,9 @@ class OpsAttentionLayer:
         x = torch.cat(xs).to(dev)
         q, k, v, gate = torch.ops.beam.qk_prep(
             x @ self.w_qkvg.t(), torch.cat(pos).to(dev), self.attn.q_norm.weight.to(dev),
-            self.attn.k_norm.weight.to(dev), self.k_cache, self.v_cache, slot_mapping.to(dev),
-            self.k_scale, self.v_scale, not self.window, cfg.rms_norm_eps, cfg.rope_theta,
-            cfg.ssmax_base, cfg.ssmax_exponent)
+            self.attn.k_norm.weight.to(dev), self.attn.gate_bias.to(dev), self.k_cache,
+            self.v_cache, slot_mapping.to(dev), self.k_scale, self.v_scale, self.is_full,
+            cfg.rms_norm_eps, cfg.rope_theta)
         lens = torch.tensor([0] + [x.shape[0] for x in xs]).cumsum(0)
         out = torch.ops.beam.attention(
             q, k, v, gate, self.k_cache, self.v_cache, lens.int().to(dev),

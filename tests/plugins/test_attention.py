@@ -1,91 +1,174 @@
-"""beam::attention (+ qk_prep / cache_write as the engine chains them): the reference op
-against reference.py's BeamAttention, and the Triton kernels against the reference op."""
+"""beam::attention (+ qk_prep / cache_write as the engine chains them): the ops against
+transformers' BeamAttention (its forward, with its masks), the FP8 cache's own-key round trip,
+and the Triton kernels against the reference op."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import hf_oracle
 import plugins  # noqa: F401  (registers torch.ops.beam.*)
 from beam_trtllm.config import PRESETS
 from beam_trtllm.quant_formats import quantize_fp8_activation
-from beam_trtllm.reference import BeamAttention, LayerKV
 from conftest import tol
 from kernel_cases import DTYPE_CASES, KERNEL_DEVICE, OpsAttentionLayer, Seq, attention_case
+from plugins import attention as attention_op
 from plugins._common import FP8_DTYPE, from_cache
-from plugins.attention import ref_attention
+from plugins.attention import as_cached, ref_attention
+from plugins.cache_write import ref_cache_write
+from plugins.registry import triton_interpreted
 
 TINY = PRESETS["tiny"]
 BACKENDS = [pytest.param("cpu", id="reference"),
             pytest.param(KERNEL_DEVICE, id="triton", marks=pytest.mark.kernel)]
 
 
-def _tiny_attention(layer: int, seed: int = 0) -> BeamAttention:
-    torch.manual_seed(seed)
-    attn = BeamAttention(TINY, layer)
-    for p in attn.parameters():
-        torch.nn.init.normal_(p, std=TINY.hidden_size**-0.5)
-    for norm in (attn.q_norm, attn.k_norm):
-        torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
-    return attn.eval().requires_grad_(False)
+def _runs_kernels(device: str) -> bool:
+    """Whether beam:: ops on `device` run the Triton kernels (else their references)."""
+    return device == "cuda" or triton_interpreted()
+
+
+def _tiny_attention(layer: int, seed: int = 0):
+    """transformers' BeamAttention of the tiny preset's layer (FP32, eager), seeded weights with
+    a nonzero gate_bias."""
+    return hf_oracle.attention(TINY, layer, torch.float32, seed)
 
 
 # Two sequences stepped together: prefill chunks longer than the window (8), a mixed step
-# (one decodes while the other prefills) and a pure decode step (T == B).
+# (one decodes while the other prefills) and a pure decode step (T == B). The second sequence
+# starts at position 2040 (its keys below are gone: hist_start), so it crosses 2048, where
+# SSMax is 2^0.1 and RoPE's angles are large.
 CHUNKS = [(11, 3), (5, 1), (1, 9), (1, 1), (1, 1)]
+STARTS = [0, 2040]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("kind", ["full", "sliding"])
-def test_ops_compose_to_the_reference_layer(device, kind):
+def test_ops_compose_to_transformers_attention(device, kind):
+    """qk_prep -> attention -> cache_write, chunk by chunk over paged / ring caches, give what
+    transformers' BeamAttention.forward gives for each whole sequence at once."""
     layer = TINY.full_layers[0] if kind == "full" else TINY.sliding_layers[0]
     attn = _tiny_attention(layer)
     total = [sum(c[b] for c in CHUNKS) for b in range(2)]
-    ops = OpsAttentionLayer(attn, 2, max(total), block_size=4, kv_dtype=torch.float32,
-                            device=device)
+    ops = OpsAttentionLayer(TINY, attn, 2, max(STARTS) + max(total), block_size=4,
+                            kv_dtype=torch.float32, device=device)
+    ops.hist[:] = torch.tensor(STARTS, dtype=torch.int32)
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(n, TINY.hidden_size, generator=gen) for n in total]
-    caches = [LayerKV(keep_last=None if attn.is_full else TINY.sliding_window) for _ in range(2)]
-    done = [0, 0]
     with torch.no_grad():
+        want = [hf_oracle.attention_forward(TINY, attn, x[None],
+                                            torch.arange(s, s + len(x))[None])[0]
+                for x, s in zip(xs, STARTS)]
+        done = [0, 0]
         for chunk in CHUNKS:
             inputs = [xs[b][done[b]: done[b] + chunk[b]] for b in range(2)]
-            got = ops.step(inputs, list(done))
+            got = ops.step(inputs, [s + n for s, n in zip(STARTS, done)])
             for b in range(2):
-                pos = torch.arange(done[b], done[b] + chunk[b])[None]
-                want = attn(inputs[b][None], pos, caches[b])[0]
-                torch.testing.assert_close(got[b], want, **tol("fp32-reorder", torch.float32))
+                torch.testing.assert_close(got[b], want[b][done[b]: done[b] + chunk[b]],
+                                           **tol("fp32-reorder", torch.float32))
                 done[b] += chunk[b]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
-def test_hist_start_hides_older_keys_like_a_reference_cache_without_them(device):
+def test_hist_start_hides_older_keys_like_a_mask_without_them(device):
     """After a prefix restore the keys below hist_start are gone: the op with hist_start = h
-    equals the reference layer whose cache holds only positions >= h."""
+    equals transformers' BeamAttention whose mask also hides the keys below h from those
+    queries."""
     attn = _tiny_attention(TINY.full_layers[1])
     hist, cached, new = 6, 13, 3
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(cached + new, TINY.hidden_size, generator=gen)
-    ops = OpsAttentionLayer(attn, 1, cached + new, block_size=4, kv_dtype=torch.float32,
+    ops = OpsAttentionLayer(TINY, attn, 1, cached + new, block_size=4, kv_dtype=torch.float32,
                             device=device)
     with torch.no_grad():
         ops.step([x[:cached]], [0])  # fills the paged cache for positions 0..12
         ops.hist[0] = hist
         got = ops.step([x[cached:]], [cached])[0]
-        pos = torch.arange(cached + new)[None]
-        _, k, v, _ = attn.project(x[None], pos)
-        kept = LayerKV(k[:, hist:cached], v[:, hist:cached], pos[:, hist:cached])
-        want = attn(x[None, cached:], pos[:, cached:], kept)[0]
+        want = hf_oracle.attention_forward(
+            TINY, attn, x[None], torch.arange(cached + new)[None],
+            and_mask_function=lambda b, h, q, kv: (q < cached) | (kv >= hist))[0, cached:]
     torch.testing.assert_close(got, want, **tol("fp32-reorder", torch.float32))
 
 
 def test_fp8_cache_reads_entries_times_their_scale():
+    """An FP8 cache reads entry * scale, and the step's own keys and values enter as the cache
+    would store them: the op on FP8 caches equals the op on their dequantized values with this
+    step's K / V given already round-tripped."""
     case = attention_case([Seq(9, 1), Seq(20, 4, hist=3)], 6, 2, 32, 0, 8, torch.float32,
                           FP8_DTYPE, seed=3)
+    one = torch.tensor(1.0)
     dequantized = dict(case, k_cache=from_cache(case["k_cache"], case["k_scale"]),
-                       v_cache=from_cache(case["v_cache"], case["v_scale"]),
-                       k_scale=torch.tensor(1.0), v_scale=torch.tensor(1.0))
+                       v_cache=from_cache(case["v_cache"], case["v_scale"]), k_scale=one,
+                       v_scale=one, k_new=as_cached(case["k_new"], FP8_DTYPE, case["k_scale"]),
+                       v_new=as_cached(case["v_new"], FP8_DTYPE, case["v_scale"]))
+    assert not torch.equal(dequantized["k_new"], case["k_new"])  # the round trip moves keys
     assert torch.equal(ref_attention(**case), ref_attention(**dequantized))
+
+
+def _cached_twin(case: dict, seq: Seq) -> dict:
+    """The queries of a one-sequence prefill chunk `case` run instead as len(chunk) decode
+    steps (one sequence each, T == B) whose cache already holds the chunk's earlier keys,
+    written by cache_write's rule: paged, one shared block table; sliding, one ring each (a
+    copy of the chunk's ring plus the keys before that query)."""
+    n, c = seq.new, seq.cached
+    k_new, v_new = case["k_new"].cpu(), case["v_new"].cpu()
+    ks, vs = case["k_scale"].cpu(), case["v_scale"].cpu()
+    index = case["cache_index"].cpu().long()
+    k_cache, v_cache = case["k_cache"].cpu(), case["v_cache"].cpu()
+    bs, window = k_cache.shape[1], case["window"]
+    if window:  # ring i: the chunk's ring, then keys c .. c+i-1 (slot j % window)
+        k_cache = k_cache[index[0, 0]].repeat(n, 1, 1, 1)
+        v_cache = v_cache[index[0, 0]].repeat(n, 1, 1, 1)
+        for i in range(n):
+            j = torch.arange(c, c + i)
+            ref_cache_write(k_new[:i], v_new[:i], k_cache, v_cache, i * bs + j % window, ks, vs)
+        index = torch.arange(n)[:, None]
+    else:  # every position of the chunk written into the table's blocks; later ones unread
+        j = torch.arange(c, c + n)
+        k_cache, v_cache = k_cache.clone(), v_cache.clone()
+        slots = index[0, (j // bs) % index.shape[1]] * bs + j % bs
+        ref_cache_write(k_new, v_new, k_cache, v_cache, slots, ks, vs)
+        index = index.expand(n, -1)
+    dev = case["q"].device
+    return dict(case, k_cache=k_cache.to(dev), v_cache=v_cache.to(dev),
+                cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32, device=dev),
+                q_start=torch.arange(c, c + n, dtype=torch.int32, device=dev),
+                hist_start=torch.full((n,), seq.hist, dtype=torch.int32, device=dev),
+                cache_index=index.int().contiguous().to(dev))
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_fp8_chunk_sees_its_own_keys_as_a_later_step_reads_them(kind, dtype, device):
+    """With an FP8 cache a prefill chunk's queries see the chunk's keys as the cache stores
+    them: the chunk's result (prefill kernel) equals its queries run one by one with those keys
+    already cached (decode kernel), so no result depends on whether a prefix was cached. Keys
+    taken unrounded instead (before the round trip) would miss by more than the tolerance."""
+    seq = Seq(13, 6, hist=2)
+    window = 8 if kind == "sliding" else 0
+    cold = attention_case([seq], 6, 2, 32, window, 8, dtype, FP8_DTYPE, seed=12, device=device)
+    cached = _cached_twin(cold, seq)
+    got_cold, got_cached = (torch.ops.beam.attention(**c).cpu() for c in (cold, cached))
+    assert not got_cold.isnan().any() and not got_cached.isnan().any()
+    if not _runs_kernels(device):  # the reference: the same sums over the same values
+        what = "fp32-reorder" if dtype == torch.float32 else "bf16-1ulp"
+    else:  # the prefill and the decode kernel: two summation orders
+        what = "attention"
+        torch.testing.assert_close(got_cold, ref_attention(**{
+            k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in cold.items()}),
+            **tol("attention", dtype))
+    torch.testing.assert_close(got_cold, got_cached, **tol(what, dtype))
+    unrounded = attention_op.as_cached
+    try:
+        attention_op.as_cached = lambda x, cache_dtype, scale: x.float()
+        before = ref_attention(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                  for k, v in cold.items()})
+    finally:
+        attention_op.as_cached = unrounded
+    atol, rtol = tol("attention", dtype).values()
+    assert not torch.allclose(before.float(), got_cached.float(), atol=atol, rtol=rtol)
 
 
 # Kernels against the reference op on awkward shapes: G = 3 query heads per KV head, D = 32,

@@ -17,9 +17,10 @@ H, HQ, HKV, D = 48, 6, 2, 16
 def _qk_prep_args():
     t = 5
     k_cache = torch.zeros(3, 4, HKV, D)
-    return (torch.randn(t, HQ * D + 2 * HKV * D + HQ), torch.arange(t), torch.ones(D),
-            torch.ones(D), k_cache, k_cache.clone(), torch.tensor([0, 1, -1, 5, 11]),
-            torch.tensor(1.0), torch.tensor(1.0), False, 1e-6, 10000.0, 2048.0, 0.1)
+    return (torch.randn(t, 2 * HQ * D + 2 * HKV * D), torch.arange(t), torch.ones(D),
+            torch.ones(D), 0.5 * torch.randn(HQ), k_cache, k_cache.clone(),
+            torch.tensor([0, 1, -1, 5, 11]), torch.tensor(1.0), torch.tensor(1.0), False, 1e-6,
+            10000.0)
 
 
 def _cases():
@@ -34,17 +35,17 @@ def _cases():
         "add_rmsnorm": (x, torch.randn(5, H), w, w, 0.9, 0.4, 1e-6),
         "add_rmsnorm_fp8": (x, torch.randn(5, H), w, w, s, 0.9, 0.4, 1e-6),
         "qk_prep": qk,
-        "qk_prep-gate-from-x": (qk[0][:, :-HQ].contiguous(), *qk[1:], x, torch.randn(HQ, H)),
+        "qk_prep-partials": (torch.randn(2, *qk[0].shape), *qk[1:], torch.bfloat16),
         "attention-fp8-out": (*attn.values(), s),
         "cache_write": (torch.randn(2, HKV, D), torch.randn(2, HKV, D), k_cache, k_cache.clone(),
                         torch.tensor([7, -1]), torch.tensor(1.0), torch.tensor(1.0)),
         "attention": tuple(attn.values()),
-        "group_router": (x, torch.randn(16, H), torch.zeros(16), 4, 2, 3, 2.5, True),
+        "group_router": (x, torch.randn(16, H), torch.zeros(16), 4, 2, 3, True),
     }
 
 
 @pytest.mark.parametrize("case", ["rmsnorm", "rmsnorm_fp8", "add_rmsnorm", "add_rmsnorm_fp8",
-                                  "qk_prep", "qk_prep-gate-from-x", "cache_write", "attention",
+                                  "qk_prep", "qk_prep-partials", "cache_write", "attention",
                                   "attention-fp8-out", "group_router"])
 def test_schema_and_fake_impl_agree_with_the_op(case):
     op = getattr(torch.ops.beam, case.split("-")[0])
@@ -55,13 +56,16 @@ def test_schema_and_fake_impl_agree_with_the_op(case):
     ("rmsnorm", 1, torch.ones(H + 1), "weight has 49 entries"),
     ("add_rmsnorm", 1, torch.randn(5, H).double(), "y must be one of"),
     ("qk_prep", 0, torch.randn(5, 100), "qkvg width 100"),
-    ("qk_prep", 6, torch.zeros(5, dtype=torch.int32), "slot_mapping must be one of (int64)"),
-    ("qk_prep-gate-from-x", 15, torch.randn(HQ + 1, H), "g_weight must be contiguous [Hq=6"),
-    ("qk_prep-gate-from-x", 0, torch.randn(5, 100), "is not Hq*D + 2*Hkv*D for"),
+    ("qk_prep", 0, torch.randn(5, HQ * D + 2 * HKV * D + HQ), "is not 2*Hq*D + 2*Hkv*D"),
+    ("qk_prep", 7, torch.zeros(5, dtype=torch.int32), "slot_mapping must be one of (int64)"),
+    ("qk_prep", 4, torch.zeros(HQ + 1), "gate_bias must be contiguous [Hq=6]"),
+    ("qk_prep-partials", 13, None, "needs out_dtype"),
     ("add_rmsnorm_fp8", 4, torch.tensor([0.02]), "x_scale must have 0 dims"),
     ("attention-fp8-out", 13, torch.tensor(1, dtype=torch.int32), "out_scale must be one of"),
     ("cache_write", 2, torch.zeros(3, 4, HKV + 1, D), "k_cache"),
     ("attention", 6, torch.tensor([0, 2, 3]), "cu_seqlens_q must be one of (int32)"),
+    ("attention", 3, torch.rand(3, HQ), "gate must have 3 dims"),  # the v1 per-head gate
+    ("attention", 3, torch.rand(3, HQ, D).to(torch.bfloat16), "gate must be one of"),
     ("attention", 10, -1, "window must be >= 0"),
     ("group_router", 3, 5, "n_group=5"),
 ])

@@ -28,7 +28,7 @@ def test_decode_step_replays_in_a_cuda_graph(window):
                           seed=1, device="cuda")
     x = torch.randn(3, 5120, device="cuda", dtype=torch.bfloat16)
     router = (x, torch.randn(256, 5120, device="cuda") / 40, torch.randn(256, device="cuda") / 20,
-              8, 4, 8, 2.5, True)
+              8, 4, 8, True)
     ones = torch.ones(5120, device="cuda", dtype=torch.bfloat16)
     norm = (x, torch.randn_like(x), ones, ones, 0.9, 0.4, 1e-6)
     _decode_ops(case, router, norm)  # compile outside the capture
@@ -98,8 +98,9 @@ def _chain_inputs(seed: int):
         case=case, slot=(block * 16 + pos % 16).view(1), pos=case["q_start"].long(),
         h=torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=gen),
         y=torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=gen), norm_w=ones,
-        scale=scale, w_qkv=fp8(hq * d + 2 * hkv * d + hq, h), w_o=fp8(h, hq * d),
-        ws_qkv=torch.full((hq * d + 2 * hkv * d + hq,), 0.02, device="cuda"),
+        scale=scale, w_qkv=fp8(2 * hq * d + 2 * hkv * d, h), w_o=fp8(h, hq * d),
+        ws_qkv=torch.full((2 * hq * d + 2 * hkv * d,), 0.02, device="cuda"),
+        gate_bias=0.5 * torch.randn(hq, device="cuda", generator=gen).to(torch.bfloat16),
         ws_o=torch.full((h,), 0.02, device="cuda"), qk_w=torch.ones(d, device="cuda",
                                                                     dtype=torch.bfloat16),
         router=(torch.randn(256, h, device="cuda", generator=gen) / 40,
@@ -113,15 +114,15 @@ def _chain_ops(a):
     h, _, xq = ops.add_rmsnorm_fp8(a["h"], a["y"], a["norm_w"], a["norm_w"], a["scale"], 0.9, 0.4,
                                    1e-6)
     qkvg = ops.linear_fp8(xq, a["w_qkv"], a["ws_qkv"], a["scale"], bf16, 2)  # (as the engine)
-    q, k, v, gate = ops.qk_prep(qkvg, a["pos"], a["qk_w"], a["qk_w"], c["k_cache"], c["v_cache"],
-                                a["slot"], c["k_scale"], c["v_scale"], True, 1e-6, 1e4, 2048.0,
-                                0.1, out_dtype=bf16)
+    q, k, v, gate = ops.qk_prep(qkvg, a["pos"], a["qk_w"], a["qk_w"], a["gate_bias"],
+                                c["k_cache"], c["v_cache"], a["slot"], c["k_scale"], c["v_scale"],
+                                True, 1e-6, 1e4, out_dtype=bf16)
     o = ops.attention(q, k, v, gate, c["k_cache"], c["v_cache"], c["cu_seqlens_q"], c["q_start"],
                       c["hist_start"], c["cache_index"], 0, c["k_scale"], c["v_scale"],
                       a["scale"])
     y = ops.linear_fp8(o, a["w_o"], a["ws_o"], a["scale"], bf16, 3)
     h, x, xq = ops.add_rmsnorm_fp8(h, y, a["norm_w"], a["norm_w"], a["scale"], 0.9, 0.4, 1e-6)
-    ids, weights = ops.group_router(x, *a["router"], 8, 4, 8, 2.5, True)
+    ids, weights = ops.group_router(x, *a["router"], 8, 4, 8, True)
     return q, gate, o, h, xq, ids, weights
 
 

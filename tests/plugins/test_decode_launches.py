@@ -1,7 +1,8 @@
 """Kernels launched by one batch-1 decode step of one MoE layer of the engine, counted exactly
 on the CPU (launch_count.py: Triton launches in the interpreter plus torch ops that would be
 CUDA kernels), for engines built by `beam-trt convert` + `build` with the shipped `fp8` and
-`nvfp4` recipes (FP8 W8A8 attention with the per-head gate in BF16; FP8 or NVFP4 experts).
+`nvfp4` recipes (FP8 W8A8 attention, q/k/v and the element-wise output gate in one packed
+GEMM; FP8 or NVFP4 experts).
 
 The config is tiny but shaped like the GPU runs it: 3 query heads per KV head, head_dim 64,
 dims multiples of 128 (so no path choice differs for lack of alignment), the router's and
@@ -36,7 +37,8 @@ pytestmark = [pytest.mark.kernel, pytest.mark.skipif(
 
 CFG = BeamConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
-                 first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                 mlp_layer_types=("dense", "sparse", "sparse"), num_experts=16,
+                 num_experts_per_tok=4, n_group=4,
                  topk_group=2, sliding_window=16, layer_types=(SLIDING, SLIDING, FULL),
                  max_position_embeddings=4096)
 
@@ -45,8 +47,8 @@ CFG = BeamConfig(vocab_size=512, hidden_size=256, intermediate_size=512, moe_int
 # merges them (SPLIT_COMBINE: one launch more, counted by bench/engine_bench.py's profiler).
 # (The decode chain's folds, off by default, take the combine and the router's selection
 # into the kernels before them: plugins/_pdl.py FOLDS.)
-ATTENTION = ["_linear_fp8_kernel",  # q/k/v, on FP8 codes from the previous boundary
-             "_qk_prep_kernel",  # + the BF16 gate GEMM
+ATTENTION = ["_linear_fp8_kernel",  # q/k/v/gate, on FP8 codes from the previous boundary
+             "_qk_prep_kernel",  # norms, RoPE / SSMax, the gate's sigmoid, the cache rows
              "_decode_split_kernel",
              "_linear_fp8_kernel",  # o_proj
              "_add_rmsnorm_kernel", "_router_logits_kernel", "_router_select_kernel"]

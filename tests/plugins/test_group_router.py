@@ -1,14 +1,15 @@
-"""beam::group_router: the reference op against reference.py's BeamRouter, and the Triton
-kernels against the reference op (expert ids exact)."""
+"""beam::group_router: the reference op against transformers' BeamTopKRouter (bit for bit), and
+the Triton kernels against the reference op (expert ids exact)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import hf_oracle
 import plugins  # noqa: F401  (registers torch.ops.beam.*)
 from beam_trtllm.config import PRESETS
-from beam_trtllm.reference import BeamRouter
+from beam_trtllm.hf_model import hf_config
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE
 from plugins.group_router import ROUTER_CONFIG, ref_group_router
@@ -25,20 +26,65 @@ def _router_case(t, e, h, seed):
 
 
 def _route_args(cfg):
-    return (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.routed_scaling_factor,
-            cfg.norm_topk_prob)
+    return (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
+def _transformers_router(cfg, weight, bias):
+    router = hf_oracle.modeling().BeamTopKRouter(hf_config(cfg))
+    router.weight.data, router.e_score_correction_bias.data = weight, bias
+    return router
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_group_router_op_is_the_reference_router(dtype):
-    router = BeamRouter(TINY)
-    x, weight, bias = _router_case(17, TINY.n_routed_experts, TINY.hidden_size, 0)
-    router.weight.data, router.e_score_correction_bias.data = weight, bias
+def test_group_router_op_is_transformers_router(dtype):
+    """Ids and weights of transformers' BeamTopKRouter bit for bit: FP32 sigmoid, the biased
+    scores for the group and expert choice, w / (sum(w) + 1e-20), no routed scale."""
+    x, weight, bias = _router_case(17, TINY.num_experts, TINY.hidden_size, 0)
     x = x.to(dtype)
-    want_ids, want_w = router(x)
+    _, want_w, want_ids = _transformers_router(TINY, weight, bias)(x)
     ids, w = torch.ops.beam.group_router(x, weight, bias, *_route_args(TINY))
     assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
     assert torch.equal(w, want_w)
+    torch.testing.assert_close(w.sum(-1), torch.ones(17), **tol("router-weights", torch.float32))
+
+
+def _tiny_scores_case(t, e, h, seed):
+    """Tokens whose chosen experts' scores sigmoid(logit) are ~1e-20 (logits near -46): the
+    renormalisation's epsilon is of the size of the sum, so the weights sum to ~0.5, not 1."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen)
+    unit = x / x.norm(dim=-1, keepdim=True)
+    logits = -46.0 + 0.3 * torch.randn(e, generator=gen)
+    # one direction for every token (the rows of x are near-parallel): logit_e = x . w_e
+    x = unit[:1].expand(t, h) * (1.0 + 0.01 * torch.arange(t, dtype=torch.float32)[:, None])
+    weight = logits[:, None] * unit[:1] + 1e-3 * torch.randn(e, h, generator=gen)
+    return x.contiguous(), weight, 0.05 * torch.randn(e, generator=gen)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="reference"),
+                                    pytest.param(KERNEL_DEVICE, id="triton",
+                                                 marks=pytest.mark.kernel)])
+def test_renormalisation_adds_epsilon_to_the_sum(device):
+    """w = s / (sum(s) + 1e-20) as BeamTopKRouter: where the chosen scores sum to ~1e-20 the
+    weights sum to ~1/2 (w / sum(w) would give 1); transformers' bits on the reference, the
+    router-weights tolerance on the kernels."""
+    x, weight, bias = _tiny_scores_case(5, TINY.num_experts, TINY.hidden_size, 3)
+    _, want_w, want_ids = _transformers_router(TINY, weight, bias)(x)
+    total = want_w.sum(-1)
+    assert ((total > 0.2) & (total < 0.8)).all(), total
+    ids, w = torch.ops.beam.group_router(x.to(device), weight.to(device), bias.to(device),
+                                         *_route_args(TINY))
+    assert torch.equal(ids.cpu().long(), want_ids)
+    if not _runs_kernels(device):
+        assert torch.equal(w, want_w)
+    else:
+        torch.testing.assert_close(w.cpu(), want_w, **tol("router-weights", torch.float32))
+
+
+def _runs_kernels(device: str) -> bool:
+    from plugins.registry import triton_interpreted
+
+    return device == "cuda" or triton_interpreted()
 
 
 # (T, E, H, n_group, topk_group, k, renormalize, split): the tiny router, Beam's grouping at
@@ -63,7 +109,7 @@ def test_group_router_kernel_matches_reference(t, e, h, n_group, topk_group, k, 
                                                       BLOCK_H=32))
     x, weight, bias = _router_case(t, e, h, seed=t + e)
     x = x.to(dtype)
-    args = (n_group, topk_group, k, 2.5, renorm)
+    args = (n_group, topk_group, k, renorm)
     want_ids, want_w = ref_group_router(x, weight, bias, *args)
     dev = KERNEL_DEVICE
     ids, w = torch.ops.beam.group_router(x.to(dev), weight.to(dev), bias.to(dev), *args)
@@ -98,11 +144,11 @@ def test_group_router_kernel_breaks_ties_toward_the_lower_id(copies):
     bias = bias.repeat_interleave(copies)
     dev = KERNEL_DEVICE
     ids, w = torch.ops.beam.group_router(x.to(dev), weight.to(dev), bias.to(dev), n_group,
-                                         topk_group, k, 2.5, True)
+                                         topk_group, k, True)
     want = _lowest_id_first(x, weight, bias, n_group, topk_group, k)
     assert torch.equal(ids.cpu(), want)
     scores = torch.sigmoid(x @ weight.t()).gather(1, want.long())
-    want_w = scores / scores.sum(-1, keepdim=True) * 2.5
+    want_w = scores / (scores.sum(-1, keepdim=True) + 1e-20)
     torch.testing.assert_close(w.cpu(), want_w, **tol("router-weights", torch.float32))
 
 
@@ -128,7 +174,7 @@ def test_router_logits_with_preloaded_weights_are_bit_equal(t, e, h):
                   K_P2=8)
     for preload in (False, True):
         logits = torch.full((p["SPLIT"], t, e), float("nan"), device=dev)
-        _router_logits_kernel[grid](x, weight, logits, unread, unread, unread, unread, 2.5, t, e,
+        _router_logits_kernel[grid](x, weight, logits, unread, unread, unread, unread, t, e,
                                     h, x.stride(0), PDL=False, PRELOAD=preload,
                                     FOLD_SELECT=False, **select, **p)
         got[preload] = logits.cpu()
@@ -154,12 +200,12 @@ def test_router_selection_folded_into_the_logits_gemv_gives_the_same_bits(t):
         for fold in (("select",), ()):
             _pdl.set_decode_chain(fold)
             got[fold] = [a.cpu() for a in torch.ops.beam.group_router(x, weight, bias, 8, 4, 8,
-                                                                       2.5, True)]
+                                                                       True)]
             assert sync_counters_all_zero()
     finally:
         _pdl.set_decode_chain(True)
     (ids, w), (want_ids, want_w) = got[("select",)], got[()]
     assert torch.equal(ids, want_ids)
     assert torch.equal(w.view(torch.int32), want_w.view(torch.int32))
-    assert torch.equal(ids, ref_group_router(x.cpu(), weight.cpu(), bias.cpu(), 8, 4, 8, 2.5,
+    assert torch.equal(ids, ref_group_router(x.cpu(), weight.cpu(), bias.cpu(), 8, 4, 8,
                                              True)[0])

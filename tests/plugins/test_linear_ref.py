@@ -82,8 +82,9 @@ def test_fp8_gemm_path_choice():
 
 def test_fp8_split_k_reference_meta_rule_and_errors(monkeypatch):
     """split_k: FP32 partials over 128-aligned channel ranges that add up to the GEMM (meta
-    shape [S, ..., N]); `decode_split_k` splits batch-1 o_proj (3) and q/k/v (2) shapes on 132 SMs;
-    split_k < 1 is refused."""
+    shape [S, ..., N]); `decode_split_k` splits batch-1 o_proj (3) on 132 SMs, and a
+    q/k/v-sized GEMM (2), not Beam's packed q/k/v/gate (224 tiles fill the GPU); split_k < 1 is
+    refused."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.randn(2, 3, 400).to(torch.bfloat16)
     args = linear_args("fp8", x, n=48, seed=5)
@@ -97,10 +98,11 @@ def test_fp8_split_k_reference_meta_rule_and_errors(monkeypatch):
     rule = linear_fp8.decode_split_k
     assert rule(1, 5120, 6144, 132) == 3  # o_proj: 80 tiles of 64 rows, 240 programs
     assert rule(1, 5120, 6144, 114) == 2  # ... 160 on 114 SMs (240 would need a second wave)
-    assert rule(1, 8192, 5120, 132) == 2  # q/k/v: 128 tiles
+    assert rule(1, 8192, 5120, 132) == 2  # a q/k/v without the gate: 128 tiles
     assert rule(1, 8192, 5120, 114) == 1  # ... but not on 114 SMs (a second wave)
     assert rule(1, 5120, 4096, 132) == 2  # 3 splits would leave fewer than 2048 channels
     assert rule(17, 5120, 6144, 132) == 1 and rule(1, 256, 2048, 132) == 1
-    assert rule(1, 49152, 5120, 132) == 1  # the dense gate/up: 768 tiles
+    assert rule(1, 49152, 5120, 132) == 1  # a dense gate/up: 768 tiles
+    assert rule(1, 14336, 5120, 132) == 1  # Beam's q/k/v + output gate: 224 tiles
     with pytest.raises(PluginError, match="split_k must be >= 1, got 0"):
         linear_fp8.ref_linear_fp8(*args, split_k=0)

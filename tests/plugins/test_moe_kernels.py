@@ -10,12 +10,17 @@ import pytest
 import torch
 
 import plugins  # noqa: F401
-from _moe_testdata import (activation_scales, dense_experts, moe_args, pack_experts,
-                           random_routing, sync_counters_all_zero)
+import triton
+import triton.language as tl
+
+from _moe_testdata import (ROUTED_SCALE, activation_scales, dense_experts, moe_args,
+                           pack_experts, random_routing, sync_counters_all_zero)
 from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE, on_cpu
 from plugins import _fp8_act, _moe_common, _moe_sort, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
+from plugins._gemm import silu_mul
+from plugins._reference import swiglu
 
 pytestmark = pytest.mark.kernel
 
@@ -51,28 +56,36 @@ def _case(fmt, dtype, t, seed, experts=None, ids=None, shape=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,direct", [(3, True), (17, False)])
 def test_kernel_matches_reference(fmt, dtype, t, direct):
-    # experts 6 and 7 get no tokens
+    # experts 6 and 7 get no tokens; the routed scale on the summed output
     args = _case(fmt, dtype, t, seed=t, experts=6)
     kernel, ref = KERNELS[fmt]
-    out = kernel(*args, direct=direct)
+    out = kernel(*args, direct=direct, scale=ROUTED_SCALE)
     assert out.dtype == dtype and out.shape == args[0].shape
-    torch.testing.assert_close(out.cpu(), ref(*on_cpu(args)), **_tolerance(fmt, dtype))
+    torch.testing.assert_close(out.cpu(), ref(*on_cpu(args), scale=ROUTED_SCALE),
+                               **_tolerance(fmt, dtype))
 
 
 @pytest.mark.parametrize("fmt", sorted(KERNELS))
 @pytest.mark.parametrize("t,direct", [(3, True), (17, False)])
 def test_per_slot_outputs_are_what_the_combine_adds(fmt, t, direct):
     """per_slot=True: each (token, slot)'s unweighted expert output [T, k, H] as the
-    reference's; the combine of those outputs is bit for bit the op's combined output; the
-    op's meta shape follows."""
+    reference's, unscaled; the combine of those outputs (the FP32 weighted sum times the
+    routed scale, rounded once) is bit for bit the op's combined output; the op's meta shape
+    follows."""
     args = _case(fmt, torch.bfloat16, t, seed=t + 40, experts=6)
     kernel, ref = KERNELS[fmt]
-    slots = kernel(*args, direct=direct, per_slot=True)
+    slots = kernel(*args, direct=direct, per_slot=True, scale=ROUTED_SCALE)
     assert slots.shape == (t, K, args[0].shape[1]) and slots.dtype == torch.bfloat16
     torch.testing.assert_close(slots.cpu(), ref(*on_cpu(args), per_slot=True),
                                **_tolerance(fmt, torch.bfloat16))
-    combined = _moe_common.combine(slots.reshape(t * K, -1), args[2], t)
-    assert torch.equal(combined, kernel(*args, direct=direct))
+    combined = _moe_common.combine(slots.reshape(t * K, -1), args[2], t, ROUTED_SCALE)
+    assert torch.equal(combined, kernel(*args, direct=direct, scale=ROUTED_SCALE))
+    want = (sum(slots[:, j].float().cpu() * args[2][:, j:j + 1].cpu() for j in range(K))
+            * ROUTED_SCALE).to(torch.bfloat16)
+    if KERNEL_DEVICE == "cpu":
+        assert torch.equal(combined.cpu(), want)
+    else:  # compiled, the combine's multiply-adds are fused (FMA: one rounding less each)
+        torch.testing.assert_close(combined.cpu(), want, **tol("bf16-1ulp", torch.bfloat16))
     meta = getattr(torch.ops.beam, f"moe_{fmt}")(*(a.to("meta") for a in args), per_slot=True)
     assert meta.shape == slots.shape
 
@@ -83,8 +96,9 @@ def test_all_tokens_on_one_expert_through_the_op(fmt):
     ids = torch.stack([torch.randperm(E - 1)[: K - 1] + 1 for _ in range(t)])
     ids = torch.cat([torch.zeros(t, 1, dtype=torch.int64), ids], 1).to(torch.int32)
     args = _case(fmt, torch.bfloat16, t, seed=5, ids=ids)
-    out = getattr(torch.ops.beam, f"moe_{fmt}")(*args)  # TRITON_INTERPRET=1: the Triton kernel
-    torch.testing.assert_close(out.cpu(), KERNELS[fmt][1](*on_cpu(args)),
+    op = getattr(torch.ops.beam, f"moe_{fmt}")  # TRITON_INTERPRET=1: the Triton kernel
+    out = op(*args, scale=ROUTED_SCALE)
+    torch.testing.assert_close(out.cpu(), KERNELS[fmt][1](*on_cpu(args), scale=ROUTED_SCALE),
                                **_tolerance(fmt, torch.bfloat16))
 
 
@@ -185,15 +199,17 @@ def test_nvfp4_h_in_the_code_pairs_order(dtype, direct):
 def test_nvfp4_down_gemm_combines_direct_pairs():
     """Direct pairs: the down GEMM's last program of each (token, column tile) combines the
     token's slots (no combine launch), bit for bit what the combine kernel makes of the
-    per-slot outputs; again at another top_k and token count, and every ticket counter is
-    back at zero after each call."""
-    for t, top_k, seed in ((3, K, 51), (5, 2, 52), (1, K, 53)):
+    per-slot outputs, with the routed scale (and without: 1.0); again at another top_k and
+    token count, and every ticket counter is back at zero after each call."""
+    for t, top_k, seed, scale in ((3, K, 51, ROUTED_SCALE), (5, 2, 52, 1.0),
+                                  (1, K, 53, ROUTED_SCALE)):
         x, _, _, *weights = _case("nvfp4", torch.bfloat16, t, seed=seed)
         ids, w = random_routing(t, E, top_k, seed=seed)
         args = (x, ids.to(x.device), w.to(x.device), *weights)
         slots = moe_nvfp4.moe_nvfp4_triton(*args, direct=True, per_slot=True)
-        fused = moe_nvfp4.moe_nvfp4_triton(*args, direct=True)
-        assert torch.equal(fused, _moe_common.combine(slots.reshape(t * top_k, -1), args[2], t))
+        fused = moe_nvfp4.moe_nvfp4_triton(*args, direct=True, scale=scale)
+        assert torch.equal(fused, _moe_common.combine(slots.reshape(t * top_k, -1), args[2], t,
+                                                      scale))
         assert sync_counters_all_zero()
 
 
@@ -212,6 +228,34 @@ def test_nvfp4_overlapped_gemms_match_the_serial_ones():
             for _ in range(20 if x.is_cuda else 1):
                 assert torch.equal(kernel(*args, direct=True, per_slot=per_slot), serial)
         assert sync_counters_all_zero()
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    gate = tl.load(g_ptr + i, mask=i < N)
+    up = tl.load(u_ptr + i, mask=i < N)
+    tl.store(out_ptr + i, silu_mul(gate, up, out_ptr.dtype.element_ty), mask=i < N)
+
+
+def test_swiglu_kernel_rounds_gate_and_up_then_once():
+    """The MoE kernels' SwiGLU (`_gemm.silu_mul`) on FP32 GEMM accumulators: gate and up rounded
+    to BF16, silu and the product in FP32, one rounding (`_reference.swiglu`, transformers'):
+    equal but for the FP32 exp's last ULPs (a rare one-ULP flip), where rounding silu to BF16
+    first (v1) moves many elements."""
+    gen = torch.Generator().manual_seed(6)
+    n = 1 << 14
+    gate, up = (torch.randn(2, n, generator=gen) * 3).unbind()
+    out = torch.empty(n, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate.to(KERNEL_DEVICE), up.to(KERNEL_DEVICE), out,
+                                              n, BLOCK=1024)
+    got = out.cpu()
+    g16, u16 = gate.to(torch.bfloat16), up.to(torch.bfloat16)
+    want = swiglu(g16, u16)
+    torch.testing.assert_close(got, want, **tol("bf16-1ulp", torch.bfloat16))
+    twice = torch.nn.functional.silu(g16) * u16  # silu rounded to BF16, then the product
+    flips, moved = int((got != want).sum()), int((twice != want).sum())
+    assert moved > n // 20 and flips * 100 < moved, (flips, moved)
 
 
 def test_single_token_and_empty_batch():

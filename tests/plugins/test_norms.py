@@ -1,16 +1,17 @@
 """beam::rmsnorm and beam::add_rmsnorm (and their _fp8 forms, which also write the FP8 codes
-of their output): the reference ops against a reference decoder layer's sublayer boundary, and
-the Triton kernels against the reference ops."""
+of their output): the reference ops against transformers' BeamDecoderLayer's sublayer
+boundaries (its norms and depth_scaled_residual_add, bit for bit), and the Triton kernels
+against the reference ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import hf_oracle
 import plugins  # noqa: F401  (registers torch.ops.beam.*)
 from beam_trtllm.config import PRESETS
 from beam_trtllm.quant_formats import quantize_fp8_activation
-from beam_trtllm.reference import BeamDecoderLayer
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE
 from plugins.add_rmsnorm import CHUNKED, ref_add_rmsnorm
@@ -21,22 +22,34 @@ EPS = TINY.rms_norm_eps
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rmsnorm_op_is_a_decoder_layer_boundary(dtype):
-    """h' and the next pre-norm output of the op equal the reference layer's own steps."""
-    layer = BeamDecoderLayer(TINY, 2).to(dtype).eval()
-    for norm in (layer.post_attention_layernorm, layer.pre_feedforward_layernorm):
-        torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
-    h = torch.randn(7, TINY.hidden_size).to(dtype)
+@pytest.mark.parametrize("layer", [0, 2, 5])
+def test_add_rmsnorm_op_is_a_decoder_layer_boundary(layer, dtype):
+    """Both boundaries of transformers' BeamDecoderLayer (after the attention: post-attention
+    norm, residual add of index 2L, pre-FFN norm; after the FFN: post-FFN norm, index 2L + 1,
+    the next layer's input norm), bit for bit in FP32 and BF16: h' = rnd(rnd(b * y_n) +
+    rnd(a * h)) as depth_scaled_residual_add rounds it. In BF16 one FP32 rounding of the
+    residual sum instead (the v1 formula) would differ."""
+    block = hf_oracle.decoder_layer(TINY, layer, dtype, seed=layer)
+    nxt = hf_oracle.decoder_layer(TINY, min(layer + 1, TINY.num_hidden_layers - 1), dtype)
+    h = (torch.randn(7, TINY.hidden_size) * 2.0).to(dtype)
     y = (torch.randn(7, TINY.hidden_size) * 0.3).to(dtype)
-    a, b = TINY.residual_coeffs(2 * 2)
-    h_new, x = torch.ops.beam.add_rmsnorm(h, y, layer.post_attention_layernorm.weight,
-                                          layer.pre_feedforward_layernorm.weight, a, b, EPS)
-    with torch.no_grad():
-        want_h = (a * h.float() + b * layer.post_attention_layernorm(y).float()).to(dtype)
-        want_x = layer.pre_feedforward_layernorm(want_h)
-    assert torch.equal(h_new, want_h) and torch.equal(x, want_x)
-    assert torch.equal(torch.ops.beam.rmsnorm(h, layer.input_layernorm.weight, EPS),
-                       layer.input_layernorm(h))
+    boundaries = [(2 * layer, block.post_attention_layernorm, block.pre_feedforward_layernorm,
+                   block.attn_residual_add_idx),
+                  (2 * layer + 1, block.post_feedforward_layernorm, nxt.input_layernorm,
+                   block.mlp_residual_add_idx)]
+    for sublayer, post, pre, idx in boundaries:
+        a, b = TINY.residual_coeffs(sublayer)
+        assert idx == sublayer + 2
+        h_new, x = torch.ops.beam.add_rmsnorm(h, y, post.weight, pre.weight, a, b, EPS)
+        with torch.no_grad():
+            want_h = hf_oracle.modeling().depth_scaled_residual_add(post(y), h, idx)
+            want_x = pre(want_h)
+        assert torch.equal(h_new, want_h) and torch.equal(x, want_x), sublayer
+        if dtype == torch.bfloat16:
+            one_rounding = (a * h.float() + b * post(y).float()).to(dtype)
+            assert not torch.equal(h_new, one_rounding)
+    assert torch.equal(torch.ops.beam.rmsnorm(h, block.input_layernorm.weight, EPS),
+                       block.input_layernorm(h))
 
 
 def _rows(t, h, dtype, seed, scale=1.0):
@@ -93,6 +106,12 @@ def test_add_rmsnorm_kernel_matches_reference(t, h, sublayer, dtype, rows, monke
     one, two = ("bf16-1ulp", "bf16-2ulp") if bf16 else ("fp32-reorder", "fp32-reorder")
     torch.testing.assert_close(got_h.cpu(), want_h, **tol(one, dtype))
     torch.testing.assert_close(got_x.cpu(), want_x, **tol(two, dtype))
+    if bf16 and t * h >= 1000:  # the residual's three roundings, not one FP32 sum rounded once
+        from plugins._reference import rms_norm
+
+        once = (a * hs.float() + b * rms_norm(y, w_post, EPS).float()).to(dtype)
+        flips, moved = int((got_h.cpu() != want_h).sum()), int((once != want_h).sum())
+        assert moved > t * h // 50 and flips * 10 < moved, (flips, moved)
 
 
 # ---------------------------------------------------------------------------- FP8 outputs
@@ -228,32 +247,42 @@ def test_add_rmsnorm_adds_fp32_partials_of_y(t, splits):
 @pytest.mark.parametrize("t", [1, 5])
 def test_add_rmsnorm_combines_weighted_per_slot_outputs(t):
     """y as an MoE's per-slot outputs [k, T, H] (a transposed [T, k, H] view) with y_weights
-    [T, k]: bit for bit add_rmsnorm of the MoE combine kernel's output (the kernels), and of
-    the reference combine (the reference op); a y_weights of the wrong shape or with a plain y
-    is refused."""
+    [T, k] (the router's, summing to ~1) and y_scale (the routed scaling factor, on the summed
+    output): bit for bit add_rmsnorm of the MoE combine kernel's output with that scale (the
+    kernels), and of the reference combine (the reference op); y_scale matters; a y_weights of
+    the wrong shape, with a plain y, or a y_scale without y_weights is refused."""
     from plugins._moe_common import combine
     from plugins._common import sum_partials
 
-    k, hid = 4, 200
+    k, hid, scale_y = 4, 200, TINY.routed_scaling_factor
     h = _rows(t, hid, torch.bfloat16, 31)
     slots = torch.stack([_rows(k, hid, torch.bfloat16, 32 + i, scale=2.0) for i in range(t)])
-    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(t)) * 2.5
+    weights = torch.rand(t, k, generator=torch.Generator().manual_seed(t)) + 0.05
+    weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     w = (1.0 + 0.1 * _rows(1, hid, torch.float32, 40)[0]).to(torch.bfloat16)
     scale = torch.tensor(3.0 / 448)
     a, b = TINY.residual_coeffs(3)
     dev = KERNEL_DEVICE
     args = (w.to(dev), w.to(dev), scale.to(dev), a, b, EPS)
     got = torch.ops.beam.add_rmsnorm_fp8(h.to(dev), slots.to(dev).transpose(0, 1), *args,
-                                         weights.to(dev))
-    y = combine(slots.to(dev).reshape(t * k, hid), weights.to(dev), t)
+                                         weights.to(dev), scale_y)
+    y = combine(slots.to(dev).reshape(t * k, hid), weights.to(dev), t, scale_y)
     want = torch.ops.beam.add_rmsnorm_fp8(h.to(dev), y, *args)
     for g, w_ in zip(got, want):
         assert torch.equal(g.cpu().view(torch.uint8), w_.cpu().view(torch.uint8))
-    ref = ref_add_rmsnorm(h, slots.transpose(0, 1), w, w, a, b, EPS, y_weights=weights)
-    want_ref = ref_add_rmsnorm(h, sum_partials(slots.transpose(0, 1), h.dtype, weights), w, w,
-                               a, b, EPS)
+    unscaled = torch.ops.beam.add_rmsnorm_fp8(h.to(dev), slots.to(dev).transpose(0, 1), *args,
+                                              weights.to(dev))
+    assert not torch.equal(unscaled[0].cpu(), got[0].cpu())
+    ref = ref_add_rmsnorm(h, slots.transpose(0, 1), w, w, a, b, EPS, y_weights=weights,
+                          y_scale=scale_y)
+    want_y = (sum(slots[:, j].float() * weights[:, j:j + 1] for j in range(k)) * scale_y)
+    assert torch.equal(sum_partials(slots.transpose(0, 1), h.dtype, weights, scale_y),
+                       want_y.to(h.dtype))
+    want_ref = ref_add_rmsnorm(h, want_y.to(h.dtype), w, w, a, b, EPS)
     assert torch.equal(ref[0], want_ref[0]) and torch.equal(ref[1], want_ref[1])
     with pytest.raises(Exception, match=rf"y_weights \({t}, 3\) must be \[{t}, 4\]"):
         torch.ops.beam.add_rmsnorm(h, slots.transpose(0, 1), w, w, a, b, EPS, torch.zeros(t, 3))
     with pytest.raises(Exception, match="y_weights needs y as partials"):
         torch.ops.beam.add_rmsnorm(h, h, w, w, a, b, EPS, weights)
+    with pytest.raises(Exception, match="y_scale 2.5 scales a weighted sum"):
+        torch.ops.beam.add_rmsnorm(h, h, w, w, a, b, EPS, None, scale_y)

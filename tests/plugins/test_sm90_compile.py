@@ -1,8 +1,8 @@
 """The attention-side kernels, and the FP8 GEMMs of a decode step, compile for the H200 (sm_90)
 at Beam-1.0 shapes, without spilling registers, with their K/V loads software-pipelined
 (cp.async) and the prefill's matrix products on Hopper's warpgroup MMA. Also the variants that
-fuse a decode step's FP8 quantizers and BF16 gate GEMM into their producers (norms with FP8
-codes, attention writing o_proj's FP8 input, qk_prep computing the gate). No GPU needed: see
+fuse a decode step's FP8 quantizers into their producers (norms with FP8 codes, attention
+writing o_proj's FP8 input) and qk_prep's element-wise output gate. No GPU needed: see
 sm90.py."""
 
 from __future__ import annotations
@@ -49,19 +49,15 @@ def _attention_decode_one_tile():
     launch_decode(**case, out_scale=torch.ones(()), config={"splits": -(-capacity // 128)})
 
 
-def _qk_prep(kv_dtype, full, t=3, gate_from_x=False):
+def _qk_prep(kv_dtype, full, t=3):
+    """qk_prep at Beam's widths: q, k, v and the element-wise gate (Hq·D) from one packed
+    projection, a per-head gate bias."""
     one = torch.ones(())
     cache = torch.zeros(2, 64, HKV, D, dtype=kv_dtype)
-    width = HQ * D + 2 * HKV * D + (0 if gate_from_x else HQ)
-    gate = (torch.randn(t, H, dtype=BF16), torch.randn(HQ, H, dtype=BF16)) if gate_from_x else ()
-    _launch_qk_prep(torch.randn(t, width, dtype=BF16), torch.arange(t),
-                    torch.ones(D, dtype=BF16), torch.ones(D, dtype=BF16), cache, cache.clone(),
-                    torch.arange(t), one, one, full, 1e-6, 1e4, 2048.0, 0.1, *gate)
-
-
-def _qk_prep_gate():
-    for t in (1, 40, 1000):  # the gate's FMA path, 16-head and 64-head tensor-core tiles
-        _qk_prep(BF16, False, t, gate_from_x=True)
+    _launch_qk_prep(torch.randn(t, BEAM.qkv_gate_size, dtype=BF16), torch.arange(t),
+                    torch.ones(D, dtype=BF16), torch.ones(D, dtype=BF16),
+                    torch.zeros(HQ, dtype=BF16), cache, cache.clone(), torch.arange(t), one, one,
+                    full, 1e-6, 1e4)
 
 
 def _fp8_norms():
@@ -74,11 +70,11 @@ def _fp8_norms():
 
 
 def _fp8_gemms_decode():
-    """q/k/v and o_proj at M = 1 on FP8 codes (the Triton swap-AB path CUDA takes there; o_proj
+    """q/k/v/gate and o_proj at M = 1 on FP8 codes (the Triton swap-AB path CUDA takes there; o_proj
     also split in two over K, as the engine runs it), and the MoE GEMMs whose K loop they
     share."""
     one = torch.ones(())
-    for n, k in ((HQ * D + 2 * HKV * D, H), (H, HQ * D)):
+    for n, k in ((BEAM.qkv_gate_size, H), (H, HQ * D)):
         x = torch.zeros(1, k, dtype=FP8)
         linear_fp8_triton(x, torch.zeros(n, k, dtype=FP8), torch.ones(n), one, BF16)
     linear_fp8_triton(x, torch.zeros(n, k, dtype=FP8), torch.ones(n), one, BF16, split_k=2)
@@ -110,7 +106,7 @@ def _nvfp4_decode():
                      torch.rand(1, 8), torch.zeros(e, 2 * inner, H // 2, dtype=torch.uint8),
                      scales(2 * inner, H), one, torch.zeros(e, H, inner // 2, dtype=torch.uint8),
                      scales(H, inner), one)
-    n = HQ * D + 2 * HKV * D
+    n = BEAM.qkv_gate_size
     linear_nvfp4_triton(torch.randn(1, H, dtype=BF16), torch.zeros(n, H // 2, dtype=torch.uint8),
                         torch.ones(n, H // 16).to(FP8), torch.ones(()))
 
@@ -122,7 +118,7 @@ def _misc():
     cache = torch.zeros(2, 64, HKV, D, dtype=FP8)
     k = torch.randn(3, HKV, D, dtype=BF16)
     _launch_cache_write(k, k, cache, cache.clone(), torch.arange(3), torch.ones(()), torch.ones(()))
-    router = (torch.randn(256, H), torch.zeros(256), 8, 4, 8, 2.5, True)
+    router = (torch.randn(256, H), torch.zeros(256), 8, 4, 8, True)
     _launch_group_router(x[:1], *router)
     _launch_group_router(torch.randn(40, H, dtype=BF16), *router)  # the tiled FP32-dot path
 
@@ -138,8 +134,8 @@ BUILDS = {
     "attention-decode-fp8-out": lambda: _attention(FP8, 1, fp8_out=True),
     "attention-decode-one-tile": _attention_decode_one_tile,
     "attention-prefill-fp8-out": lambda: _attention(BF16, 5, fp8_out=True),
-    "qk_prep-gate-from-x": _qk_prep_gate,
-    "qk_prep-full-gate-from-x": lambda: _qk_prep(FP8, True, 1, gate_from_x=True),
+    "qk_prep-decode-full-fp8": lambda: _qk_prep(FP8, True, 1),
+    "qk_prep-decode-sliding-fp8": lambda: _qk_prep(FP8, False, 1),
     "norms-fp8-out": _fp8_norms,
     "fp8-gemms-decode": _fp8_gemms_decode,
     "moe-fp8-prefill": _moe_fp8_prefill,
@@ -151,11 +147,14 @@ BUILDS = {
 # MMA's 8 token columns) keeps five epilogue values in local memory across its K loop, a few
 # loads a program (H200, T=1: 68.5 us against 71.5 with the 8-row activation tile, which
 # does not spill; docs/BENCHMARKS.md session 10). The decode attention's split kernel,
-# launched early with an FP8 cache and FP8 output codes: 8 bytes (two values) outside its
-# loop, at 168 registers, while it holds its first K/V tile across the wait. (It holds the
-# tile as FP8 codes; converted to BF16 before the wait, the tile also made the FP8 cache's
-# BF16-output build spill 8 bytes.)
-OUTSIDE_LOOP_SPILLS = {"_moe_nvfp4_kernel": 32, "_decode_split_kernel": 8}
+# launched early with an FP8 cache and FP8 output codes: 20 bytes (five values, stored once
+# before the wait and loaded once before the K/V loop), at 168 registers, while it holds its
+# first K/V tile across the wait. (It holds the tile as FP8 codes; converted to BF16 before
+# the wait, the tile also made the FP8 cache's BF16-output build spill 8 bytes. It was 8 bytes
+# with the per-head gate; the element-wise gate's [16, 128] tile in the epilogue adds three
+# values, measured on the CPU's sm_90 build: a 32-bit offset base or a later gate load does
+# not remove them.)
+OUTSIDE_LOOP_SPILLS = {"_moe_nvfp4_kernel": 32, "_decode_split_kernel": 20}
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
@@ -214,17 +213,17 @@ def _decode_chain():
     w, one = torch.ones(H, dtype=BF16), torch.ones(())
     _launch_add_rmsnorm_fp8(torch.randn(1, H, dtype=BF16), torch.randn(1, H, dtype=BF16), w, w,
                             one, 0.9, 0.4, 1e-6)
-    n = HQ * D + 2 * HKV * D
+    n = BEAM.qkv_gate_size  # q/k/v and the output gate: one packed FP8 GEMM
     linear_fp8_triton(torch.zeros(1, H, dtype=FP8), torch.zeros(n, H, dtype=FP8), torch.ones(n),
                       one, BF16, split_k=2)
-    _qk_prep(FP8, False, 1, gate_from_x=True)
+    _qk_prep(FP8, False, 1)
     case = attention_case([Seq(300, 1)], HQ, HKV, D, 0, 64, BF16, FP8)
     case.pop("cu_seqlens_q")
     launch_decode(**case, out_scale=one, config={"splits": 4})  # split (+ combine), as at batch 1
     linear_fp8_triton(torch.zeros(1, HQ * D, dtype=FP8), torch.zeros(H, HQ * D, dtype=FP8),
                       torch.ones(H), one, BF16, split_k=2)
     _launch_group_router(torch.randn(1, H, dtype=BF16), torch.randn(256, H), torch.zeros(256), 8,
-                         4, 8, 2.5, True)
+                         4, 8, True)
 
 
 CHAIN_KERNELS = ["_add_rmsnorm_kernel", "_linear_fp8_kernel", "_qk_prep_kernel",

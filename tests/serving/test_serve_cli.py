@@ -100,3 +100,30 @@ def test_serve_stops_the_graph_when_a_component_dies(tmp_path, engine_dir):
 
 def test_shipped_graphs_point_at_the_demo_engine():
     assert (GRAPHS / "disagg.yaml").read_text().count("engine_dir: ../out/demo/tiny-nvfp4-engine") == 1
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_serve_a_checkpoint_saved_by_transformers(tmp_path, hf_checkpoints, kind):
+    """transformers' own checkpoint (FP32 or BF16) -> convert NVFP4 -> build -> serve: the
+    frontend's greedy answer is the engine's own, token for token."""
+    from beam_trtllm.engine.build import build_engine
+    from beam_trtllm.engine.engine import Engine
+    from beam_trtllm.engine.plan import BuildOptions
+    from beam_trtllm.engine.types import SamplingParams
+    from convert import ConvertOptions, convert
+
+    ckpt = convert(hf_checkpoints[kind], tmp_path / "nvfp4",
+                   ConvertOptions("nvfp4", calib_samples=2, calib_seq_len=32, workers=1))
+    engine_dir = build_engine(ckpt, tmp_path / "engine",
+                              BuildOptions(max_batch=4, max_seq_len=256, max_num_tokens=128))
+    engine = Engine.from_dir(engine_dir, device="cpu")
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
+    want = engine.generate([engine.tokenizer.encode(prompt)],
+                           SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    proc, run_dir, url, tail = _serve(tmp_path, engine_dir)
+    try:
+        got = chat(url, "hello", 6)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert got == want["text"] or (want["finish_reason"] == "stop" and want["text"].startswith(got))
