@@ -116,3 +116,10 @@ def sync_counters_all_zero() -> bool:
     from plugins import _common
 
     return all(int(c.count_nonzero()) == 0 for sets in _common._COUNTERS.values() for c in sets)
+
+
+def ids_with_counts(counts, k):
+    """[T, k] expert ids, k distinct per token, expert e taking counts[e] pairs (each <= T)."""
+    labels = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    t = len(labels) // k
+    return labels.view(k, t).t().contiguous().to(torch.int32)  # row t: labels t, t+T, ...

@@ -13,12 +13,13 @@ import plugins  # noqa: F401
 import triton
 import triton.language as tl
 
-from _moe_testdata import (ROUTED_SCALE, activation_scales, dense_experts, moe_args,
-                           pack_experts, random_routing, sync_counters_all_zero)
+from _moe_testdata import (ROUTED_SCALE, activation_scales, dense_experts,
+                           ids_with_counts, moe_args, pack_experts, random_routing,
+                           sync_counters_all_zero)
 from beam_trtllm.quant_formats import quantize_fp8_activation
 from conftest import tol
 from kernel_cases import KERNEL_DEVICE, on_cpu
-from plugins import _fp8_act, _moe_common, _moe_sort, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
+from plugins import _fp8_act, _moe_common, moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4
 from plugins._gemm import silu_mul
 from plugins._reference import swiglu
 
@@ -267,74 +268,6 @@ def test_single_token_and_empty_batch():
     assert kernel(*empty).shape == (0, args[0].shape[1])
 
 
-def _expected_layout(counts, block_m, tail_m):
-    """Each expert's padded rows and (first row, tile rows) of its blocks, from the counts."""
-    layout, row = [], 0
-    for count in counts.tolist():
-        blocks = [(row + i * block_m, block_m) for i in range(count // block_m)]
-        rem = count % block_m
-        if rem:
-            size = tail_m if 0 < rem <= tail_m else block_m
-            blocks.append((row + count // block_m * block_m, size))
-        padded = sum(size for _, size in blocks)
-        layout.append((row, padded, blocks))
-        row += padded
-    return layout
-
-
-def _ids_with_counts(counts, k):
-    """[T, k] expert ids, k distinct per token, expert e taking counts[e] pairs (each <= T)."""
-    labels = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-    t = len(labels) // k
-    return labels.view(k, t).t().contiguous().to(torch.int32)  # row t: labels t, t+T, ...
-
-
-# tail blocks: remainders of 0, 1..tail, > tail rows, empty experts, several full blocks
-SKEWED = [70, 100, 16, 17, 0, 64, 5, 33]
-
-
-@pytest.mark.parametrize("t,experts,one_program,tail_m",
-                         [(1, None, 4096, 0), (37, 5, 4096, 0), (40, 1, 4096, 0), (37, 5, 16, 0),
-                          (300, None, 64, 0), ("skewed", None, 4096, 16),
-                          ("skewed", None, 64, 16), ("skewed", None, 4096, 32),
-                          (300, None, 64, 32)])
-def test_align_places_every_pair_exactly_once(t, experts, one_program, tail_m, monkeypatch):
-    # one_program < T*k takes the many-program path (count, then scatter) used for prefill
-    monkeypatch.setattr(_moe_sort, "ONE_PROGRAM_ALIGN", one_program)
-    k, block_m = (1, 16) if experts == 1 else (K, 16 if tail_m == 0 else 64)
-    if t == "skewed":
-        ids = _ids_with_counts(SKEWED, 1)
-    else:
-        ids, _ = random_routing(t, E, k, seed=t, experts=experts)
-    r = _moe_common.plan_routing(ids.to(KERNEL_DEVICE), E, block_m, direct=False, tail_m=tail_m)
-    numel = ids.numel()
-    assert r.rows == _moe_common.max_sorted_rows(numel, E, block_m)
-    assert r.m_blocks == _moe_common.max_row_blocks(numel, E, block_m, tail_m)
-    slots, owners = r.sorted_slots.long().cpu(), r.block_expert.long().cpu()
-    layout = _expected_layout(torch.bincount(ids.flatten().long(), minlength=E), block_m, tail_m)
-    block = 0
-    for e, (start, padded, blocks) in enumerate(layout):
-        rows = slots[start: start + padded]
-        want = (ids.flatten() == e).nonzero().flatten()
-        assert sorted(rows[rows < numel].tolist()) == want.tolist()
-        assert (rows[rows >= numel] == numel).all()  # padding holds the sentinel
-        for first_row, size in blocks:
-            assert int(owners[block]) == e
-            if tail_m:
-                assert (int(r.block_start[block]), int(r.block_rows[block])) == (first_row, size)
-            else:
-                assert first_row == block * block_m
-            block += 1
-    total = sum(padded for _, padded, _ in layout)
-    assert int(r.num_rows.cpu()) == total
-    slot_rows = r.slot_rows.long().cpu()  # the inverse map: slot -> its row
-    assert torch.equal(slots[slot_rows], torch.arange(numel))
-    assert (slots[total:] == numel).all()
-    assert (owners[block:] == -1).all()
-    if t == "skewed":  # the layout has tail blocks and blocks padded whole
-        assert (r.block_rows[:block] == tail_m).any() and (r.block_rows[:block] == 64).any()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("codes", [False, True])
 def test_fp8_tail_blocks(dtype, codes):
@@ -344,7 +277,7 @@ def test_fp8_tail_blocks(dtype, codes):
     The launcher loads this layout by the TMA (activations gathered into sorted rows); the
     per-thread loads of the other layouts must give the same bits. K = 80 ends in a partial
     64-deep tile (the TMA's zero fill); `codes`: x given as FP8 codes already."""
-    ids = _ids_with_counts([40, 22, 12, 16, 0, 38, 5, 27], K)
+    ids = ids_with_counts([40, 22, 12, 16, 0, 38, 5, 27], K)
     args = _case("fp8", dtype, ids.shape[0], seed=11, ids=ids)
     if codes:
         args = (quantize_fp8_activation(args[0].cpu(), args[7].cpu()).to(KERNEL_DEVICE),
