@@ -27,23 +27,29 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
+def scaled(name: str, normal: torch.Tensor) -> torch.Tensor:
+    """Standard-normal draws for the tensor `name` (a checkpoint or transformers module name)
+    at the scale its role calls for: norm weights near 1, unit-variance embeddings, an lm_head
+    of logits with std ~LOGIT_STD, nonzero biases (so a test sees a dropped one), projections
+    (fused experts and the router too) N(0, 1/fan_in) with fan_in the last dim."""
+    if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1] or "layernorm" in name:
+        return 1.0 + 0.1 * normal
+    if name.endswith("embed_tokens.weight"):
+        return normal
+    if name == "lm_head.weight":
+        return normal * LOGIT_STD / normal.shape[-1] ** 0.5
+    if name.endswith("e_score_correction_bias"):
+        return 0.05 * normal
+    if name.endswith("gate_bias"):
+        return 0.5 * normal
+    return normal / normal.shape[-1] ** 0.5
+
+
 def random_tensor(cfg: BeamConfig, name: str, shape, dtype, seed: int) -> torch.Tensor:
-    """One tensor of a random Beam at the scale its role calls for."""
-    gen = _generator(seed, name)
-    normal = torch.randn(shape, generator=gen, dtype=torch.float32)
-    if name.endswith("norm.weight") or "layernorm" in name:
-        value = 1.0 + 0.1 * normal
-    elif name == "model.embed_tokens.weight":
-        value = normal
-    elif name == "lm_head.weight":
-        value = normal * LOGIT_STD / cfg.hidden_size**0.5
-    elif name.endswith("e_score_correction_bias"):
-        value = 0.05 * normal
-    elif name.endswith("self_attn.gate_bias"):  # nonzero, so a test sees a dropped bias
-        value = 0.5 * normal
-    else:  # projections and the router: fan_in is the last dim
-        value = normal / shape[-1] ** 0.5
-    return value.to(dtype)
+    """One tensor of a random Beam at the scale its role calls for (`scaled`), from its own
+    seed, so that the result does not depend on the order tensors are made in."""
+    normal = torch.randn(shape, generator=_generator(seed, name), dtype=torch.float32)
+    return scaled(name, normal).to(dtype)
 
 
 def random_state_dict(cfg: BeamConfig, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from beam_trtllm.tiny import scaled
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 
@@ -47,21 +49,6 @@ def canonical_config(tokenizer_dir: Path | None = None, **overrides):
     return BeamConfig(**fields)
 
 
-def _scaled(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    normal = torch.randn(t.shape, generator=gen)
-    if "norm" in name:
-        return 1.0 + 0.1 * normal
-    if name.endswith("embed_tokens.weight"):
-        return normal
-    if name == "lm_head.weight":
-        return normal * 2.0 / t.shape[-1] ** 0.5
-    if name.endswith("gate_bias"):
-        return 0.5 * normal
-    if name.endswith("e_score_correction_bias"):
-        return 0.05 * normal
-    return normal / t.shape[-1] ** 0.5  # projections, experts and the router: fan_in last
-
-
 @torch.no_grad()
 def random_model(config, seed: int = 0):
     """transformers' BeamForCausalLM in FP32 with seeded weights at realistic scales."""
@@ -70,7 +57,7 @@ def random_model(config, seed: int = 0):
     model = BeamForCausalLM(config).eval()
     gen = torch.Generator().manual_seed(seed)
     for name, t in model.state_dict().items():  # parameters and persistent buffers, in place
-        t.copy_(_scaled(name, t, gen))
+        t.copy_(scaled(name, torch.randn(t.shape, generator=gen)))
     return model
 
 
