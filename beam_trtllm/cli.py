@@ -187,16 +187,19 @@ def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, to
               help="hf: ModelOpt unified HF checkpoint; trtllm: rank{r}.safetensors per rank.")
 @click.option("--tp", default=1, show_default=True, help="Tensor-parallel ranks (--format trtllm).")
 @click.option("--ep", default=1, show_default=True, help="Expert-parallel ranks (divides --tp).")
-@click.option("--calib-data", default=None, help="Calibration text file, or 'none' for "
-              "weight-only scales. Default: the text shipped with beam-trt.")
-@click.option("--calib-samples", default=8, show_default=True)
-@click.option("--calib-seq-len", default=128, show_default=True)
+@click.option("--calib-data", default=None, help="Calibration data: a .jsonl (text or messages), "
+              ".parquet or text file, or a directory of them; 'none' for weight-only scales. "
+              "Default: the set shipped with beam-trt (convert/data/calib.jsonl).")
+@click.option("--calib-samples", default=32, show_default=True)
+@click.option("--calib-seq-len", default=256, show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--workers", default=None, type=int, help="Quantization threads (default: cores).")
 @click.option("--shard-size", "shard_size_mb", default=5000.0, show_default=True,
               help="Max output shard size in MB (--format hf).")
+@click.option("--overwrite", is_flag=True, help="Remove OUT_DIR's checkpoint files first "
+              "(a finished or interrupted conversion, stale shards); other files are refused.")
 def convert_cmd(in_dir, out_dir, quant, kv_cache, fmt, tp, ep, calib_data, calib_samples,
-                calib_seq_len, device, workers, shard_size_mb):
+                calib_seq_len, device, workers, shard_size_mb, overwrite):
     """Quantize a Beam checkpoint (FP32, BF16 or FP16) to ModelOpt FP8 / NVFP4 (streamed,
     resumable)."""
     import os
@@ -205,7 +208,7 @@ def convert_cmd(in_dir, out_dir, quant, kv_cache, fmt, tp, ep, calib_data, calib
     from convert.pipeline import ConvertOptions, convert
 
     opts = ConvertOptions(quant, kv_cache, fmt, tp, ep, calib_data, calib_samples, calib_seq_len,
-                          device, workers or max(1, os.cpu_count() or 1), shard_size_mb)
+                          device, workers or max(1, os.cpu_count() or 1), shard_size_mb, overwrite)
     try:
         out = convert(in_dir, out_dir, opts)
     except (ConvertError, ConfigError) as exc:

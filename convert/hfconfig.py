@@ -68,8 +68,17 @@ def summarize_excludes(excluded: list[str], quantized: list[str]) -> list[str]:
     return sorted(chosen)
 
 
-def _layer_module_order(cfg: BeamConfig, layer: int) -> list[str]:
-    """The Linears and the experts of a decoder layer, in transformers' module order."""
+_ATTENTION = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "self_attn.gate_proj"]  # o_proj before the output gate, as modeling_beam has them
+# The Linears and the experts of a decoder layer in transformers' module order (named_modules of
+# BeamDecoderLayer; written out so that a weight-only conversion need not import transformers'
+# model, seconds on the CPU box; tests/test_convert_modelopt.py checks it against transformers).
+LAYER_MODULES = {"dense": _ATTENTION + ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
+                 "sparse": _ATTENTION + ["mlp.experts"]}
+
+
+def transformers_layer_modules(cfg: BeamConfig, layer: int) -> list[str]:
+    """LAYER_MODULES as transformers' BeamDecoderLayer lists them (what the tests compare)."""
     from transformers.models.beam.modeling_beam import BeamDecoderLayer, BeamExperts
 
     from beam_trtllm.hf_model import hf_config
@@ -82,13 +91,10 @@ def _layer_module_order(cfg: BeamConfig, layer: int) -> list[str]:
 def modelopt_modules(plan: Plan) -> list[tuple[str, str]]:
     """(module, format) of every module ModelOpt's get_quant_config reports, in its order: the
     embedding, each layer's Linears with its experts as one module, lm_head, then the routers."""
-    cfg, order = plan.cfg, {}
+    cfg = plan.cfg
     out = [("model.embed_tokens", "none")]
     for i in range(cfg.num_hidden_layers):
-        kind = cfg.mlp_layer_types[i]
-        if kind not in order:
-            order[kind] = _layer_module_order(cfg, i)
-        for name in order[kind]:
+        for name in LAYER_MODULES[cfg.mlp_layer_types[i]]:
             module = f"model.layers.{i}.{name}"
             key = module + ".0.gate_proj" if name == "mlp.experts" else module  # one format a layer
             out.append((module, plan.formats[key]))

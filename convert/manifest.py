@@ -10,9 +10,8 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
+from .outdir import CALIB_STATE, MANIFEST, STATE, atomic_write_text
 from .st_io import NAMES, sha256_file
-
-MANIFEST = "manifest.json"
 TOOLS = ("beam-trt", "torch", "safetensors", "numba", "nvidia-modelopt")
 
 
@@ -29,19 +28,19 @@ def tool_versions() -> dict:
 def _calibration(tokens, calib, why) -> dict:
     if calib is None:
         return {"mode": "weight-only", "reason": why}
-    return {"mode": "max", "source": tokens.source, "text_sha256": tokens.sha256,
+    counts = calib.expert_tokens
+    return {"mode": "max", "source": tokens.source, "data_sha256": tokens.sha256,
+            "documents": tokens.documents,
             "samples": int(tokens.ids.shape[0]), "seq_len": int(tokens.ids.shape[1]),
-            "text_tokens": tokens.unique_tokens,
+            "data_tokens": tokens.unique_tokens,
             "experts_routed_per_layer": {str(k): v for k, v in calib.coverage.items()},
+            "min_tokens_per_expert": min((min(c) for c in counts.values()), default=None),
+            "tokens_per_expert": {str(k): c for k, c in counts.items()},
             "unrouted_experts": "input amax = max over the layer's experts (ModelOpt's rule)"}
 
 
 def write_manifest(out_dir: Path, src, plan, opts, files, writer, side, tokens, calib, why,
                    mapping) -> None:
-    from .outputs import STATE
-
-    from .pipeline import CALIB_STATE
-
     weights = {}
     for f in files:
         weights[f.name] = {
@@ -62,6 +61,4 @@ def write_manifest(out_dir: Path, src, plan, opts, files, writer, side, tokens, 
     for leftover in (STATE, CALIB_STATE):
         if (out_dir / leftover).exists():
             os.remove(out_dir / leftover)
-    tmp = out_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, out_dir / MANIFEST)
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2))

@@ -9,8 +9,8 @@ rest and continues: the bytes are a function of the plan, so the result is ident
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,10 +19,9 @@ import torch
 from beam_trtllm.checkpoint import INDEX_NAME, SINGLE_NAME, shard_name
 
 from .errors import ConvertError
+from .outdir import STATE, atomic_write_text, write_state
 from .shard import Mapping, placement, rank_shape, take
 from .st_io import NAMES, PartialFile, header_for, nbytes_of, sha256_file
-
-STATE = ".convert-state.json"
 
 
 @dataclass
@@ -67,9 +66,19 @@ def write_index(out_dir: Path, files: list[OutFile]) -> None:
     mapping = {n: f.name for f in files for n, *_ in f.specs}
     total = sum(nbytes_of(d, s) for f in files for _, _, d, s in f.specs)
     text = json.dumps({"metadata": {"total_size": total}, "weight_map": mapping}, indent=2)
-    tmp = out_dir / (INDEX_NAME + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out_dir / INDEX_NAME)
+    atomic_write_text(out_dir / INDEX_NAME, text)
+
+
+def index_text_size(files: list[OutFile]) -> int:
+    """An upper bound of the index's size (for the free-space check)."""
+    return 0 if len(files) == 1 else sum(len(n) + len(f.name) + 8 for f in files
+                                         for n, *_ in f.specs) + 256
+
+
+def file_sizes(files: list[OutFile]) -> dict[str, int]:
+    """Every weight file's final size: header plus data, known from the plan."""
+    return {f.name: len(header_for([(n, d, s) for n, _, d, s in f.specs]))
+            + sum(nbytes_of(d, s) for _, _, d, s in f.specs) for f in files}
 
 
 class Writer:
@@ -123,20 +132,16 @@ class Writer:
             self.cursor[f.name] = i
             if i == len(specs) and f.name in self.open and f.name not in self.done:
                 self.done[f.name] = self.open.pop(f.name).finish()
-        import hashlib
-
         self.chain = hashlib.sha256((self.chain + digest).encode()).hexdigest()
         self.next_unit = unit_index + 1
 
     def commit(self) -> None:
         for pf in self.open.values():
             pf.commit()
-        state = {"plan_hash": self.plan_hash, "next_unit": self.next_unit, "chain": self.chain,
-                 "done": self.done,
-                 "open": {n: [pf.offset, self.cursor[n]] for n, pf in self.open.items()}}
-        tmp = self.dir / (STATE + ".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.dir / STATE)
+        write_state(self.dir, {
+            "plan_hash": self.plan_hash, "next_unit": self.next_unit, "chain": self.chain,
+            "done": self.done,
+            "open": {n: [pf.offset, self.cursor[n]] for n, pf in self.open.items()}})
 
     def close(self) -> None:
         for pf in self.open.values():

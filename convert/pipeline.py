@@ -13,32 +13,33 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import sys
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from beam_trtllm.checkpoint import INDEX_NAME
 
 from .calib_data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, load_calib_tokens
 from .calibrate import Calibration, calibrate
 from .errors import ConvertError
 from .hfconfig import hf_quant_config, quantization_config
 from .inputs import SIDE_FILES, InputCheckpoint
-from .manifest import MANIFEST, write_manifest
-from .outputs import STATE, Writer, hf_layout, trtllm_layout, write_index
+from .manifest import write_manifest
+from .outdir import CALIB_STATE, atomic_copy, atomic_write_text, prepare_out_dir
+from .outputs import Writer, file_sizes, hf_layout, index_text_size, trtllm_layout, write_index
+from .parallel import ordered_map
 from .plan import make_plan
 from .quantize import quantize_unit
 from .recipe import load_recipe
 from .shard import check_mapping
 from .trtllm import trtllm_config
 
-CALIB_STATE = ".convert-calibration.json"
 COMMIT_BYTES, COMMIT_SECONDS = 256 << 20, 2.0
+MIN_EXPERT_TOKENS = 16  # fewer calibration tokens for an expert than this: warn
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ConvertOptions:
     device: str = "cpu"
     workers: int = max(1, os.cpu_count() or 1)
     shard_size_mb: float = 5000.0
+    overwrite: bool = False  # remove OUT_DIR's checkpoint files first (outdir.py)
 
 
 def _log(msg: str) -> None:
@@ -67,9 +69,6 @@ def _check_dirs(src: InputCheckpoint, out_dir: Path) -> None:
     for f in src.files:
         if f.resolve().parent == out:
             raise ConvertError(f"OUT_DIR {out_dir} holds input file {f.name}; choose another OUT_DIR")
-    if (out_dir / MANIFEST).exists():
-        raise ConvertError(f"{out_dir} already holds a finished conversion ({MANIFEST}); "
-                           "verify it with `beam-trt verify` or remove it first")
 
 
 def _calibration_tokens(src: InputCheckpoint, opts: ConvertOptions):
@@ -81,32 +80,41 @@ def _calibration_tokens(src: InputCheckpoint, opts: ConvertOptions):
 
 
 def _plan_hash(src, opts, plan, files, tokens) -> str:
-    key = {"options": asdict(opts) | {"workers": None}, "recipe": plan.recipe.to_json(),
+    options = asdict(opts) | {"workers": None, "overwrite": None}  # neither changes the output
+    key = {"options": options, "recipe": plan.recipe.to_json(),
            "input": src.fingerprint(), "config": src.config_json,
            "calib": None if tokens is None else tokens.sha256,
            "files": [[f.name, [[n, str(w), str(d), list(s)] for n, w, d, s in f.specs]] for f in files]}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _run_calibration(src, plan, tokens, out_dir: Path, resuming: bool, device) -> Calibration:
+def _run_calibration(src, tokens, out_dir: Path, plan_hash: str, device) -> Calibration:
+    """Calibrate, or reuse the journaled result of an interrupted run of the same plan."""
     path = out_dir / CALIB_STATE
-    if resuming and path.is_file():
-        _log("calibration: reusing the amax values of the interrupted run")
-        return Calibration.from_json(json.loads(path.read_text()))
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get("plan_hash") == plan_hash:
+            _log("calibration: reusing the amax values of the interrupted run")
+            return Calibration.from_json(saved["calibration"])
     _log(f"calibration: {tokens.ids.shape[0]} x {tokens.ids.shape[1]} tokens from {tokens.source}, "
          "one layer at a time")
     calib = calibrate(src.cfg, src.read, tokens.ids, device=device, log=_log)
-    _atomic_text(path, json.dumps(calib.to_json()))
+    atomic_write_text(path, json.dumps({"plan_hash": plan_hash, "calibration": calib.to_json()}))
+    low = {i: sum(c < MIN_EXPERT_TOKENS for c in counts)
+           for i, counts in calib.expert_tokens.items()}
+    if any(low.values()):
+        _log(f"WARNING: {sum(low.values())} experts in {sum(n > 0 for n in low.values())} MoE "
+             f"layers received fewer than {MIN_EXPERT_TOKENS} calibration tokens (their input "
+             "amax is the layer's max over experts, ModelOpt's rule); more --calib-samples or "
+             "--calib-data raise it. Per expert: manifest.json calibration.tokens_per_expert")
     return calib
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _side_files(src: InputCheckpoint, out_dir: Path, plan, opts, mapping) -> list[str]:
+def _side_texts(src: InputCheckpoint, plan, opts, mapping) -> dict[str, str]:
+    """config.json and hf_quant_config.json, known before any tensor is read."""
     hfq = hf_quant_config(plan)
     config = dict(src.config_json)
     # The unquantized tensors are written in BF16 whatever the input's dtype (inputs.py), and
@@ -118,18 +126,33 @@ def _side_files(src: InputCheckpoint, out_dir: Path, plan, opts, mapping) -> lis
         config = trtllm_config(src.config_json, src.cfg, hfq, mapping)
     else:
         config["quantization_config"] = quantization_config(hfq)
-    _atomic_text(out_dir / "config.json", json.dumps(config, indent=4))
-    _atomic_text(out_dir / "hf_quant_config.json", json.dumps(hfq, indent=4))
-    written = ["config.json", "hf_quant_config.json"]
-    for name in SIDE_FILES[1:]:
-        if (src.dir / name).is_file():
-            shutil.copyfile(src.dir / name, out_dir / (name + ".tmp"))
-            os.replace(out_dir / (name + ".tmp"), out_dir / name)
-            written.append(name)
+    return {"config.json": json.dumps(config, indent=4),
+            "hf_quant_config.json": json.dumps(hfq, indent=4)}
+
+
+def _copied_side_files(src: InputCheckpoint) -> list[str]:
+    return [n for n in SIDE_FILES[1:] if (src.dir / n).is_file()]
+
+
+def _write_side_files(src: InputCheckpoint, out_dir: Path, texts: dict[str, str]) -> list[str]:
+    for name, text in texts.items():
+        atomic_write_text(out_dir / name, text)
+    copied = _copied_side_files(src)
+    for name in copied:
+        atomic_copy(src.dir / name, out_dir / name)
     for name in ("tokenizer.json", "generation_config.json"):
-        if name not in written:
+        if name not in copied:
             _log(f"warning: {src.dir} has no {name}; the output cannot be served without it")
-    return written
+    return list(texts) + copied
+
+
+def _planned_sizes(src, files, mapping) -> dict[str, int]:
+    """Every output file's size (config.json and hf_quant_config.json, tens of KB, are left to
+    the free-space check's slack)."""
+    sizes = file_sizes(files) | {n: (src.dir / n).stat().st_size for n in _copied_side_files(src)}
+    if mapping is None and len(files) > 1:
+        sizes[INDEX_NAME] = index_text_size(files)
+    return sizes
 
 
 def _read_unit(src: InputCheckpoint, unit):
@@ -140,21 +163,6 @@ def _read_unit(src: InputCheckpoint, unit):
         h.update(hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).digest())
         tensors[name] = t
     return tensors, h.hexdigest()
-
-
-def _ordered(fn, items, workers: int):
-    """map(fn, items) over `workers` threads, in order, at most 2 * workers results pending."""
-    if workers <= 1:
-        yield from map(fn, items)
-        return
-    with ThreadPoolExecutor(workers, thread_name_prefix="beam-convert") as pool:
-        window: deque = deque()
-        for item in items:
-            window.append(pool.submit(fn, item))
-            if len(window) >= 2 * workers:
-                yield window.popleft().result()
-        while window:
-            yield window.popleft().result()
 
 
 def _stream(src, plan, writer: Writer, calib, opts) -> None:
@@ -176,7 +184,7 @@ def _stream(src, plan, writer: Writer, calib, opts) -> None:
                smoothing=0.1)
     since, last = 0, time.monotonic()
     try:
-        for u, out, digest in _ordered(work, todo, opts.workers):
+        for u, out, digest in ordered_map(work, todo, opts.workers):
             writer.write_unit(u, out, digest)
             bar.update(size(u))
             since += sum(t.numel() * t.element_size() for t in out.values())
@@ -225,35 +233,20 @@ def convert(in_dir: str | Path, out_dir: str | Path, opts: ConvertOptions) -> Pa
     files = (trtllm_layout(outs, src.cfg, mapping) if mapping
              else hf_layout(outs, int(opts.shard_size_mb * 1_000_000)))
     plan_hash = _plan_hash(src, opts, plan, files, tokens)
-    resuming = _prepare_out_dir(out_dir, plan_hash)
-    calib = _run_calibration(src, plan, tokens, out_dir, resuming, opts.device) if tokens else None
+    resuming = prepare_out_dir(out_dir, plan_hash, _planned_sizes(src, files, mapping),
+                               opts.overwrite)
+    calib = _run_calibration(src, tokens, out_dir, plan_hash, opts.device) if tokens else None
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, opts.workers)))
     writer = Writer(out_dir, files, plan_hash, fresh=not resuming)
     try:
-        if resuming:
+        if writer.next_unit:
             _log(f"resuming at unit {writer.next_unit}/{len(plan.units)}")
         _stream(src, plan, writer, calib, opts)
     finally:
         writer.close()
-    side = _side_files(src, out_dir, plan, opts, mapping)
+    side = _write_side_files(src, out_dir, _side_texts(src, plan, opts, mapping))
     if mapping is None:
         write_index(out_dir, files)
     write_manifest(out_dir, src, plan, opts, files, writer, side, tokens, calib, why, mapping)
     src.close()
     return out_dir
-
-
-def _prepare_out_dir(out_dir: Path, plan_hash: str) -> bool:
-    """True when resuming an interrupted run of the same plan."""
-    state = out_dir / STATE
-    if state.is_file():
-        try:
-            old = json.loads(state.read_text())["plan_hash"]
-        except (ValueError, KeyError) as exc:
-            raise ConvertError(f"{state}: unreadable resume journal ({exc}); remove {out_dir}") from exc
-        if old != plan_hash:
-            raise ConvertError(f"{out_dir} holds an interrupted conversion of other inputs or "
-                               "options; rerun the same command to resume, or remove it")
-        return True
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return False

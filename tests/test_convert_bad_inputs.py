@@ -66,6 +66,13 @@ def _nan_data(d):
     return f"{Q} holds inf or NaN"
 
 
+def _nan_norm(d):
+    """A copied (unquantized) tensor: refused as well, not passed through."""
+    norm = "model.layers.0.input_layernorm.weight"
+    _rewrite(_shard_of(d, norm), lambda t: t[norm].__setitem__(3, float("inf")))
+    return f"{norm} holds inf or NaN"
+
+
 def _wrong_shape(d):
     _rewrite(_shard_of(d, Q), lambda t: t.__setitem__(Q, t[Q].reshape(32, 128).contiguous()))
     return f"{Q} has shape \\[32, 128\\], config.json implies \\[64, 64\\]"
@@ -138,7 +145,7 @@ def _config_invalid(d):
 
 
 CASES = {f.__name__[1:]: f for f in (_missing_shard, _truncated, _corrupt_header, _nan_data,
-                                     _wrong_shape, _wrong_dtype, _unknown_name, _config_mismatch,
+                                     _nan_norm, _wrong_shape, _wrong_dtype, _unknown_name, _config_mismatch,
                                      _config_invalid, _v1_gate, _v1_config, _gate_per_head,
                                      _gate_bias_missing)}
 

@@ -1,6 +1,7 @@
-"""Encoders of quant_formats (torch and the compiled CPU path) against ModelOpt 0.47's own export
-of one Linear, byte for byte, on awkward shapes, all-zero blocks and values placed exactly on
-every rounding boundary (E2M1 ties, E4M3 ties of the block scales, E4M3 subnormal scales)."""
+"""Encoders of quant_formats and the converter (torch and the compiled CPU paths) against
+ModelOpt 0.47's own export of one Linear, byte for byte, on awkward shapes, all-zero blocks and
+weights, zero activations and values placed exactly on every rounding boundary (E2M1 ties, E4M3
+ties of the block scales, E4M3 subnormal scales)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import torch
 
 from beam_trtllm import quant_cpu
 from beam_trtllm import quant_formats as qf
+from convert import ConvertError, encode_cpu
+from convert.calibrate import Calibration
+from convert.plan import Unit
+from convert.quantize import quantize_unit
 from modelopt_reference import export_linear
 
 BF16 = torch.bfloat16
@@ -95,15 +100,62 @@ def test_fp8_matches_modelopt_export(modelopt, shape):
 
 
 @pytest.mark.parametrize("shape", [(37, 50), (130, 300), (257, 129), (128, 256)])
-def test_fp8_block_matches_modelopt_export(modelopt, shape):
+@pytest.mark.parametrize("path", ["torch", "compiled"])
+def test_fp8_block_matches_modelopt_export(modelopt, shape, path):
+    """Boundary values, a BF16-subnormal block amax and (on multi-block shapes) an all-zero
+    block, which ModelOpt exports with scale 1.0 and zero codes (export_amax: 0 -> 448)."""
     w = fp8_boundary_weight(*shape, seed=4)
+    if shape[0] > 128:
+        w[128:, :] = 0.0  # the last row band: zero blocks
+        w[-1, -1] = 3e-39  # ... except one element below FLT_MIN (clamped like ModelOpt)
     ref = export_linear(w, "fp8_pb_wo")
-    q, scale = qf.quantize_fp8_block(w)
+    if path == "torch":  # the converter's fallback: torch ops on the sanitised block amax
+        amax = qf.fp8_block_amax(w)
+        amax = torch.where(amax == 0, 448.0, amax).clamp_min(torch.finfo(torch.float32).tiny)
+        q, scale = qf.quantize_fp8_block(w, amax)
+    else:
+        q, scale = encode_cpu.quantize_fp8_block(w, threads=2)
     on_disk = qf.fp8_block_scale_on_disk(scale)
     assert on_disk.shape == ref["weight_scale"].shape  # [nb, 1, kb, 1], or () for one block
     assert torch.equal(on_disk, ref["weight_scale"])
     assert torch.equal(q.view(torch.uint8), ref["weight"].view(torch.uint8))
     assert "input_scale" not in ref  # weight-only: activations are quantized per token
+
+
+def _quantize_linear(w, fmt: str, input_amax: float):
+    """The converter's quantize stage on one Linear `m` (calibrated input amax)."""
+    unit = Unit("linear", ["m.weight"], ["m"], fmt)
+    calib = Calibration({"m": torch.tensor(input_amax)})
+    return dict(quantize_unit(unit, {"m.weight": w}, calib, threads=2))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "fp8_pb_wo"])
+def test_all_zero_weight_and_zero_activations(modelopt, fmt):
+    """An all-zero Linear whose input calibration saw only zeros. ModelOpt 0.47 defines the
+    block-FP8 weight and every input_scale (a zero amax exports as maxbound) and we match it;
+    its per-tensor FP8 and NVFP4 weights come out NaN (scale 0, then 0/0), where we write
+    zero codes with the same maxbound rule (docs/CONVERT.md "All-zero weights")."""
+    w = torch.zeros(130, 272, dtype=BF16)
+    ref = export_linear(w, fmt, [torch.zeros(2, 272, dtype=BF16)] if fmt != "fp8_pb_wo" else None)
+    ours = _quantize_linear(w, fmt, 0.0)
+    if fmt == "fp8_pb_wo":
+        assert torch.equal(ours["m.weight_scale"], ref["weight_scale"])
+        assert torch.equal(ours["m.weight"].view(torch.uint8), ref["weight"].view(torch.uint8))
+        return
+    assert torch.equal(ours["m.input_scale"], ref["input_scale"])  # 1.0 / 6/2688
+    assert torch.isnan(ref["weight"].float() if fmt == "fp8" else ref["weight_scale"].float()).all()
+    assert not ours["m.weight"].view(torch.uint8).any()
+    deq = (qf.dequantize_fp8(ours["m.weight"], ours["m.weight_scale"]) if fmt == "fp8" else
+           qf.dequantize_nvfp4(ours["m.weight"], ours["m.weight_scale"], ours["m.weight_scale_2"]))
+    assert torch.equal(deq, torch.zeros_like(deq))  # decodes to exact zeros, no NaN
+
+
+def test_non_finite_weight_is_named_by_every_encoder():
+    for fmt in ("fp8", "nvfp4", "fp8_pb_wo"):
+        w = _random(130, 272, 3)
+        w[129, 271] = float("nan") if fmt != "fp8_pb_wo" else float("inf")
+        with pytest.raises(ConvertError, match="tensor m.weight holds inf or NaN"):
+            _quantize_linear(w, fmt, 1.0)
 
 
 def test_fp8_block_dequant_reads_modelopt_layout():

@@ -74,6 +74,16 @@ def test_same_files_as_modelopt_on_a_transformers_fp32_checkpoint(modelopt, hf_c
     _assert_same_as_modelopt(hf_checkpoints["fp32"], tmp_path, "nvfp4", True, True)
 
 
+def test_layer_module_order_is_transformers_order():
+    """hf_quant_config lists modules in transformers' order, written out in hfconfig."""
+    from beam_trtllm.config import preset
+    from convert.hfconfig import LAYER_MODULES, transformers_layer_modules
+
+    cfg = preset("tiny")
+    for i, kind in enumerate(cfg.mlp_layer_types[:2]):
+        assert transformers_layer_modules(cfg, i) == LAYER_MODULES[kind], kind
+
+
 def test_exclude_summary_matches_modelopt_on_full_beam(modelopt):
     """The prefix-wildcard summary of exclude_modules against ModelOpt's own function, on the
     module names ModelOpt reports for Beam-501B (52 layers; a layer's 256 experts are one

@@ -152,4 +152,12 @@ def test_dequant_api_returns_the_bf16_layout(hf_nvfp4, tiny_dir):
         assert (hf_nvfp4 / side).read_bytes() == (tiny_dir / side).read_bytes()  # servable dir
     manifest = json.loads((hf_nvfp4 / "manifest.json").read_text())
     assert manifest["calibration"]["mode"] == "max" and manifest["tools"]["torch"]
-    assert manifest["calibration"]["experts_routed_per_layer"]  # coverage is reported
+    calibration = manifest["calibration"]
+    assert calibration["experts_routed_per_layer"]  # coverage is reported, per expert too:
+    cfg = BeamConfig.from_hf(tiny_dir)
+    per_expert = calibration["tokens_per_expert"]
+    assert sorted(map(int, per_expert)) == list(cfg.moe_layers)
+    for counts in per_expert.values():  # 2 x 16 tokens, each routed to top-k experts
+        assert len(counts) == cfg.num_experts and sum(counts) == 32 * cfg.num_experts_per_tok
+    assert calibration["min_tokens_per_expert"] == min(min(c) for c in per_expert.values())
+    assert calibration["documents"] and calibration["source"] == "builtin:calib.jsonl"
