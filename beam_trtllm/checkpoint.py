@@ -15,7 +15,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -119,8 +119,7 @@ def with_views(infos: Infos) -> Infos:
     return out
 
 
-def check_state_dict(cfg: BeamConfig, found: Infos, where: str = "checkpoint",
-                     check_dtypes: bool = True) -> None:
+def check_state_dict(cfg: BeamConfig, found: Infos, where: str = "checkpoint") -> None:
     """Refuse a v1, missing, extra, mis-shaped or non-float tensor, naming it (the float dtype
     is cast on load). `found` may hold fused experts; they are checked through their views."""
     v1 = is_v1_checkpoint(found)
@@ -141,7 +140,7 @@ def check_state_dict(cfg: BeamConfig, found: Infos, where: str = "checkpoint",
             raise CheckpointError(
                 f"{where}: tensor {name} has shape {list(found[name][0])}, "
                 f"config.json implies {list(shape)}")
-        if check_dtypes and found[name][1] not in FLOAT_DTYPES:
+        if found[name][1] not in FLOAT_DTYPES:
             raise CheckpointError(f"{where}: tensor {name} has dtype {found[name][1]}; an "
                                   "unquantized Beam checkpoint holds FP32, BF16 or FP16 tensors")
 
@@ -238,18 +237,6 @@ class SafetensorsCheckpoint:
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def tensor_infos(ckpt_dir: str | Path) -> Infos:
-    """name -> (shape, dtype) from the file headers (fused experts as views), no tensor data."""
-    return SafetensorsCheckpoint(ckpt_dir).infos
-
-
-def iter_tensors(ckpt_dir: str | Path, names: Iterable[str] | None = None) -> Iterator:
-    """Yield (name, tensor) lazily in index order (fused experts as per-expert views)."""
-    ckpt = SafetensorsCheckpoint(ckpt_dir)
-    for name in list(ckpt.infos) if names is None else list(names):
-        yield name, ckpt.get(name)
 
 
 def load_state_dict(ckpt_dir: str | Path, cfg: BeamConfig) -> dict[str, torch.Tensor]:

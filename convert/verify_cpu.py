@@ -55,6 +55,13 @@ if numba is not None:
             else:
                 x[j] = np.float32(ref[r, j])
 
+    @numba.njit(nogil=True, cache=True)
+    def _row_buffers(k):
+        """A row's buffers: the reference row (`wide` as bits, `x` its FP32 view), the decoded
+        row `d`, and the accumulator of `_accumulate`."""
+        wide = np.empty(k, np.uint32)
+        return wide, wide.view(np.float32), np.empty(k, np.float32), np.zeros(5, np.float64)
+
     @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
     def _row_sums(d, x):
         """FP32 sums of one row, reassociated so they vectorise; non-finite when anything is."""
@@ -93,10 +100,7 @@ if numba is not None:
     @numba.njit(nogil=True, cache=True)
     def _nvfp4_stats(packed, scales, scale_2, ref, bf16, e4m3, e2m1):
         n, k = ref.shape
-        wide = np.empty(k, np.uint32)
-        x = wide.view(np.float32)
-        d = np.empty(k, np.float32)
-        acc = np.zeros(5, np.float64)
+        wide, x, d, acc = _row_buffers(k)
         for r in range(n):
             _load_row(ref, r, bf16, x, wide)
             for b in range(k // 16):
@@ -114,10 +118,7 @@ if numba is not None:
         it through the integer division below when nb = kb = 1 and the block is the tensor)."""
         n, k = ref.shape
         per_tensor = scale.shape[0] == 1 and scale.shape[1] == 1
-        wide = np.empty(k, np.uint32)
-        x = wide.view(np.float32)
-        d = np.empty(k, np.float32)
-        acc = np.zeros(5, np.float64)
+        wide, x, d, acc = _row_buffers(k)
         for r in range(n):
             _load_row(ref, r, bf16, x, wide)
             if per_tensor:
