@@ -39,7 +39,26 @@ def info_cmd(ckpt_dir, preset_name, context, kv_dtype, as_json):
     if cfg.report_unknown():
         click.echo(f"warning: {cfg.report_unknown()}", err=True)
     r = report(cfg, context, kv_dtype)
-    click.echo(json.dumps(r, indent=2) if as_json else format_report(r))
+    if ckpt_dir is not None and any(ckpt_dir.glob("*.safetensors")):
+        from .engine.types import EngineError
+        from .info import checkpoint_quantization, format_checkpoint
+        from .quant_schemes import SchemeError
+
+        try:
+            r["checkpoint"] = checkpoint_quantization(ckpt_dir)
+        except (SchemeError, EngineError, ValueError) as exc:
+            raise BeamCLIError(str(exc)) from exc
+    text = format_report(r) + ("\n" + format_checkpoint(r["checkpoint"]) if "checkpoint" in r else "")
+    if ckpt_dir is not None and (ckpt_dir / "parallel.json").is_file():  # a parallel engine dir
+        from .engine.types import EngineError
+        from .info import engine_ranks, format_ranks
+
+        try:
+            r["parallel"] = engine_ranks(ckpt_dir)
+        except (EngineError, KeyError, ValueError) as exc:
+            raise BeamCLIError(f"{ckpt_dir}: {exc}") from exc
+        text += "\n" + format_ranks(r["parallel"])
+    click.echo(json.dumps(r, indent=2) if as_json else text)
 
 
 @main.command("init-tiny")
@@ -75,8 +94,15 @@ def init_tiny_cmd(out_dir, seed):
               show_default=True, help="Search the Triton launch shapes on the target GPU (at "
               "build if this machine has it, else at the first load); quick: fewer candidates.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing ENGINE_DIR.")
+@click.option("--tp", default=1, show_default=True, help="Tensor-parallel ranks (world size): "
+              "attention heads and dense MLPs split tp ways; > 1 writes one engine dir per rank.")
+@click.option("--ep", default=1, show_default=True, help="Expert-parallel groups (divides --tp): "
+              "each holds num_experts / ep experts, split tp / ep ways.")
+@click.option("--attention-dp", is_flag=True, help="Attention data parallel: every rank its own "
+              "requests and KV cache (attention and dense MLPs whole), the MoE over all ranks.")
 def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_tokens, kv_dtype,
-              dtype, kv_memory, block_size, cuda_graph_batch_sizes, autotune, overwrite):
+              dtype, kv_memory, block_size, cuda_graph_batch_sizes, autotune, overwrite, tp, ep,
+              attention_dp):
     """Build an engine dir (repacked weights, KV plan, tokenizer) from a converted checkpoint."""
     from .checkpoint import CheckpointError
     from .engine.build import build_engine
@@ -92,7 +118,13 @@ def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_toke
                             max_num_tokens=max_num_tokens, kv_dtype=kv_dtype,
                             kv_memory_gib=kv_memory, block_size=block_size,
                             cuda_graph_batch_sizes=sizes, autotune=autotune, dtype=dtype)
-        build_engine(ckpt_dir, engine_dir, opts, progress=click.echo, overwrite=overwrite)
+        parallel = None
+        if (tp, ep, attention_dp) != (1, 1, False):
+            from .engine.parallel import ParallelMapping
+
+            parallel = ParallelMapping(tp, ep, attention_dp)
+        build_engine(ckpt_dir, engine_dir, opts, progress=click.echo, overwrite=overwrite,
+                     parallel=parallel)
     except (EngineError, ConfigError, CheckpointError) as exc:
         raise BeamCLIError(str(exc)) from exc
 
@@ -107,10 +139,18 @@ def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_toke
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", default=None, type=int)
 @click.option("--stop", multiple=True, help="Stop string (repeatable; engine dirs only).")
-def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop):
-    """Generate text, streaming: with the engine for an engine dir (from `beam-trt build`),
-    with transformers' BeamForCausalLM (FP32, CPU) for an unquantized checkpoint dir."""
-    if (model_dir / "engine.json").is_file():
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Parallel engine dirs: the ranks' device (cpu: gloo; cuda: NCCL, rank r on "
+              "cuda:r) [default: cuda if available].")
+def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop,
+                 device):
+    """Generate text, streaming: with the engine for an engine dir (from `beam-trt build`; a
+    parallel one starts its ranks), with transformers' BeamForCausalLM (FP32, CPU) for an
+    unquantized checkpoint dir."""
+    if (model_dir / "parallel.json").is_file():
+        _generate_parallel(model_dir, prompt, chat, device, max_new_tokens, temperature, top_k,
+                           top_p, seed, stop)
+    elif (model_dir / "engine.json").is_file():
         _generate_engine(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop)
     else:
         if stop:
@@ -142,6 +182,25 @@ def _generate_engine(engine_dir, prompt, chat, max_new_tokens, temperature, top_
             reason = out.finish_reason or reason
     click.echo()
     click.echo(f"[{reason}; {engine.stats['generated_tokens']} tokens, {engine.device}]", err=True)
+
+
+def _generate_parallel(engine_dir, prompt, chat, device, max_new_tokens, temperature, top_k,
+                       top_p, seed, stop):
+    import torch
+
+    from .engine.parallel.build import read_layout
+    from .engine.parallel.launch import launch, stream_prompt_rank
+    from .engine.types import EngineError, SamplingParams
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        layout = read_layout(engine_dir)
+        sampling = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, seed=seed, stop=tuple(stop))
+        launch(layout.world, stream_prompt_rank, str(engine_dir), device, prompt, chat, sampling,
+               device=device)
+    except (EngineError, ValueError) as exc:
+        raise BeamCLIError(str(exc)) from exc
 
 
 def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed):
@@ -181,10 +240,13 @@ def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, to
 @main.command("convert")
 @click.argument("in_dir", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--quant", required=True, help="Recipe: fp8, fp8-block, nvfp4, nvfp4-all, or a .yaml.")
+@click.option("--quant", required=True, help="Recipe: fp8, fp8-block, nvfp4, nvfp4-all, "
+              "fp8-dynamic (with --format compressed-tensors), or a .yaml.")
 @click.option("--kv-cache", type=click.Choice(["fp8", "none"]), default="none", show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["hf", "trtllm"]), default="hf", show_default=True,
-              help="hf: ModelOpt unified HF checkpoint; trtllm: rank{r}.safetensors per rank.")
+@click.option("--format", "fmt", type=click.Choice(["hf", "trtllm", "compressed-tensors"]),
+              default="hf", show_default=True,
+              help="hf: ModelOpt unified HF checkpoint; trtllm: rank{r}.safetensors per rank; "
+              "compressed-tensors: the compressed-tensors library's FP8_DYNAMIC checkpoint.")
 @click.option("--tp", default=1, show_default=True, help="Tensor-parallel ranks (--format trtllm).")
 @click.option("--ep", default=1, show_default=True, help="Expert-parallel ranks (divides --tp).")
 @click.option("--calib-data", default=None, help="Calibration data: a .jsonl (text or messages), "
@@ -200,8 +262,8 @@ def _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, to
               "(a finished or interrupted conversion, stale shards); other files are refused.")
 def convert_cmd(in_dir, out_dir, quant, kv_cache, fmt, tp, ep, calib_data, calib_samples,
                 calib_seq_len, device, workers, shard_size_mb, overwrite):
-    """Quantize a Beam checkpoint (FP32, BF16 or FP16) to ModelOpt FP8 / NVFP4 (streamed,
-    resumable)."""
+    """Quantize a Beam checkpoint (FP32, BF16 or FP16) to ModelOpt FP8 / NVFP4 or
+    compressed-tensors FP8_DYNAMIC (streamed, resumable)."""
     import os
 
     from convert import ConvertError

@@ -116,3 +116,90 @@ def format_report(r: dict) -> str:
         "weights         " + ", ".join(f"{p.upper()} {_size(b)}" for p, b in r["weight_bytes"].items()),
     ]
     return "\n".join(line for line in lines if line)
+
+
+# ---------------------------------------------------------------------------- a checkpoint
+def checkpoint_quantization(ckpt_dir) -> dict:
+    """What a checkpoint stores (from its headers and declared scheme): the scheme, and per
+    Linear format the number of Linears and their bytes (weights and scales)."""
+    from .checkpoint import SafetensorsCheckpoint
+    from .engine.weights import linear_format
+    from .quant_schemes import read_scheme
+
+    scheme = read_scheme(ckpt_dir)
+    ckpt = SafetensorsCheckpoint(ckpt_dir)
+    sizes = {n: _numel(shape) * _itemsize(dtype) for n, (shape, dtype) in ckpt.infos.items()}
+    formats: dict[str, dict] = {}
+    for name in ckpt.infos:
+        if not name.endswith(("_proj.weight", "lm_head.weight")):
+            continue
+        module = name[: -len(".weight")]
+        fmt = linear_format(ckpt.dtype, module, scheme)
+        if fmt == "fp8" and len(ckpt.infos.get(module + ".weight_scale", ((),))[0]) in (2, 4):
+            fmt = "fp8_block"
+        entry = formats.setdefault(fmt, {"linears": 0, "bytes": 0})
+        entry["linears"] += 1
+        entry["bytes"] += sum(b for n, b in sizes.items() if n.startswith(module + "."))
+    ckpt.close()
+    return {"scheme": scheme.describe(), "linear_formats": formats,
+            "total_bytes": sum(sizes.values())}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def format_checkpoint(c: dict) -> str:
+    lines = [f"checkpoint      {c['scheme']}; {_size(c['total_bytes'])} stored"]
+    for fmt, e in sorted(c["linear_formats"].items()):
+        lines.append(f"  {fmt:<12} {e['linears']:6d} Linears  {_size(e['bytes'])}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- a parallel engine
+def engine_ranks(engine_dir) -> dict:
+    """Per rank of a parallel engine dir: its heads, experts, weight bytes and KV plan (every
+    rank has its own cache: under TP its KV heads only, under attention DP all of them)."""
+    import json
+    from pathlib import Path
+
+    from .engine.parallel.build import read_layout
+    from .engine.parallel.mapping import ParallelMapping
+
+    layout = read_layout(Path(engine_dir))
+    cfg = BeamConfig.from_hf(Path(engine_dir))
+    ranks = []
+    for r in range(layout.world):
+        raw = json.loads((Path(engine_dir) / f"rank{r}" / "engine.json").read_text())
+        m = ParallelMapping.from_json(raw["parallel"], f"rank{r}/engine.json")
+        q, kv = m.heads(cfg)
+        experts = m.experts(cfg)
+        plan = raw["kv_plan"]
+        ranks.append({
+            "rank": r, "query_heads": [q.start, q.stop - 1], "kv_heads": [kv.start, kv.stop - 1],
+            "experts": [experts.start, experts.stop - 1], "moe_tp_rank": m.moe_tp_rank,
+            "weight_bytes": sum(f["bytes"] for n, f in raw["files"].items()
+                                if n.startswith("weights-")),
+            "kv_blocks": plan["num_blocks"], "kv_max_tokens": plan["max_tokens"],
+            "kv_bytes": plan["total_bytes"], "kv_dtype": plan["kv_dtype"]})
+    return {"layout": layout.describe(), "world": layout.world, "ranks": ranks}
+
+
+def format_ranks(p: dict) -> str:
+    lines = [f"parallel        {p['layout']}, {p['world']} ranks (one engine dir each)"]
+    for r in p["ranks"]:
+        lines.append(f"  rank {r['rank']}: q heads {r['query_heads'][0]}-{r['query_heads'][1]}, "
+                     f"kv heads {r['kv_heads'][0]}-{r['kv_heads'][1]}, experts "
+                     f"{r['experts'][0]}-{r['experts'][1]} (slice {r['moe_tp_rank']}); weights "
+                     f"{_size(r['weight_bytes'])}; KV {r['kv_blocks']} blocks = "
+                     f"{r['kv_max_tokens']:,} tokens, {_size(r['kv_bytes'])} {r['kv_dtype']}")
+    return "\n".join(lines)

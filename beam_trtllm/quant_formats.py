@@ -1,5 +1,7 @@
 """Tensor formats of quantized Beam checkpoints (ModelOpt 0.47 conventions), decode side.
 
+compressed-tensors FP8 per channel ("fp8_channel"): see the end of the file.
+
 Shared by the converter (`beam-trt verify`), the kernels' references and the engine, so that
 the format math lives in one place. Layouts, for a Linear weight W of shape [N, K]:
 
@@ -219,3 +221,35 @@ def _quantize_nvfp4_torch(weight: torch.Tensor, scale_2: torch.Tensor):
     codes = _e2m1_codes(scaled)
     packed = (codes[..., 1::2] << 4) | codes[..., 0::2]
     return packed, block_scale, scale_2
+
+
+# ---------------------------------------------------------------------------- per channel
+# compressed-tensors FP8_DYNAMIC (`float-quantized`, weights strategy "channel", activations
+# strategy "token", dynamic): weight float8_e4m3fn [N, K] and weight_scale [N, 1] in the
+# model's dtype (BF16 for a BF16 model), W ~= weight * weight_scale; activations quantized per
+# token at run time.
+def dequantize_fp8_channel(weight: torch.Tensor, weight_scale: torch.Tensor,
+                           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The compressed-tensors decompression of a per-channel FP8 weight: codes cast to the
+    scale's dtype times the scale, in that dtype (BF16 for a BF16 checkpoint), so it equals
+    `FloatQuantizationCompressor.decompress` bit for bit. `dtype` casts the result; for the
+    exact FP32 product pass `weight_scale.float()`."""
+    scale = weight_scale.reshape(weight.shape[0], 1)
+    out = weight.to(scale.dtype) * scale
+    return out if dtype is None else out.to(dtype)
+
+
+def quantize_fp8_per_token(x: torch.Tensor, eps: float = 1e-10):
+    """Dynamic FP8 activation quantization, one scale per token (row): x [..., K] ->
+    (q float8_e4m3fn [..., K], scale fp32 [...]) with scale = max(amax(row), eps) / 448 and
+    q = fp8(clamp(x / scale, +-448)) in FP32 (the kernels compute exactly this)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp_min(eps) / FP8_MAX
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """What the per-token dynamic quantizer does to x (per-channel FP8 GEMM inputs)."""
+    q, scale = quantize_fp8_per_token(x)
+    return (q.float() * scale[..., None]).to(x.dtype)

@@ -40,6 +40,9 @@ class QuantizedCheckpoint:
             self.files = [TensorFile(p) for p in ranks]
         else:
             self.files = [TensorFile(p) for p in self._hf_files()]
+        qcfg = self.config_json.get("quantization_config") or {}
+        # compressed-tensors FP8_DYNAMIC: per-channel scales [N, 1] in the model dtype
+        self.compressed_tensors = qcfg.get("quant_method") == "compressed-tensors"
         self.where: dict[str, list[tuple[int, TensorFile]]] = {}
         for r, f in enumerate(self.files):
             for n in f.specs:
@@ -68,12 +71,16 @@ class QuantizedCheckpoint:
         return unshard(name, pieces, shape, self.cfg, self.mapping)
 
     def dequant_tensor(self, name: str) -> torch.Tensor:
-        """One tensor of the BF16 layout (`...weight` of a quantized Linear is decoded)."""
+        """One tensor of the BF16 layout (`...weight` of a quantized Linear is decoded: FP32,
+        or for compressed-tensors the library's BF16 decompression)."""
         w = self.tensor(name)
         module = name[: -len(".weight")]
         if w.dtype == torch.uint8:
             return qf.dequantize_nvfp4(w, self.tensor(module + ".weight_scale"),
                                        self.tensor(module + ".weight_scale_2"), torch.float32)
+        if w.dtype == torch.float8_e4m3fn and self.compressed_tensors:
+            # the library's decompression (in the scale's dtype), bit for bit
+            return qf.dequantize_fp8_channel(w, self.tensor(module + ".weight_scale"))
         if w.dtype == torch.float8_e4m3fn:
             return qf.dequantize_fp8(w, self.tensor(module + ".weight_scale"), torch.float32)
         return w

@@ -25,9 +25,10 @@ def tool_versions() -> dict:
     return out
 
 
-def _calibration(tokens, calib, why) -> dict:
-    if calib is None:
-        return {"mode": "weight-only", "reason": why}
+def _calibration(tokens, calib, why, fmt: str = "hf") -> dict:
+    if calib is None:  # compressed-tensors FP8_DYNAMIC: activations scaled per token at run time
+        return {"mode": "dynamic" if fmt == "compressed-tensors" else "weight-only",
+                "reason": why}
     counts = calib.expert_tokens
     return {"mode": "max", "source": tokens.source, "data_sha256": tokens.sha256,
             "documents": tokens.documents,
@@ -53,7 +54,7 @@ def write_manifest(out_dir: Path, src, plan, opts, files, writer, side, tokens, 
         "mapping": mapping.to_json() if mapping else None, "device": opts.device,
         "input": {"dir": str(src.dir.resolve()), "files": src.fingerprint(),
                   "tensors_sha256": writer.chain},
-        "calibration": _calibration(tokens, calib, why),
+        "calibration": _calibration(tokens, calib, why, opts.fmt),
         "files": weights,
         "side_files": {n: {"size": (out_dir / n).stat().st_size, "sha256": sha256_file(out_dir / n)}
                        for n in side + extra},

@@ -39,6 +39,7 @@ from .shard import check_mapping
 from .trtllm import trtllm_config
 
 COMMIT_BYTES, COMMIT_SECONDS = 256 << 20, 2.0
+CT = "compressed-tensors"  # --format
 MIN_EXPERT_TOKENS = 16  # fewer calibration tokens for an expert than this: warn
 
 
@@ -46,7 +47,7 @@ MIN_EXPERT_TOKENS = 16  # fewer calibration tokens for an expert than this: warn
 class ConvertOptions:
     quant: str
     kv_cache: str = "none"  # "fp8" | "none"
-    fmt: str = "hf"  # "hf" | "trtllm"
+    fmt: str = "hf"  # "hf" | "trtllm" | "compressed-tensors"
     tp: int = 1
     ep: int = 1
     calib_data: str | None = None  # None: the shipped text; "none": weight-only
@@ -72,6 +73,8 @@ def _check_dirs(src: InputCheckpoint, out_dir: Path) -> None:
 
 
 def _calibration_tokens(src: InputCheckpoint, opts: ConvertOptions):
+    if opts.fmt == CT:
+        return None, "compressed-tensors FP8_DYNAMIC: activations are scaled per token at run time"
     if opts.calib_data == "none" or opts.calib_samples == 0:
         return None, "no calibration data (--calib-data none / --calib-samples 0)"
     if opts.calib_data is None and not (src.dir / "tokenizer.json").is_file():
@@ -115,13 +118,19 @@ def _run_calibration(src, tokens, out_dir: Path, plan_hash: str, device) -> Cali
 
 def _side_texts(src: InputCheckpoint, plan, opts, mapping) -> dict[str, str]:
     """config.json and hf_quant_config.json, known before any tensor is read."""
-    hfq = hf_quant_config(plan)
     config = dict(src.config_json)
     # The unquantized tensors are written in BF16 whatever the input's dtype (inputs.py), and
     # ModelOpt's export of the BF16-loaded model says so too.
     config["dtype"] = "bfloat16"
     if "torch_dtype" in config:  # the pre-5.0 name of the same field
         config["torch_dtype"] = "bfloat16"
+    if opts.fmt == CT:  # the compressed-tensors library's own config block, no hf_quant_config
+        from . import compressed_tensors
+
+        ignore = [m for m, f in plan.formats.items() if f == "none"]
+        return {"config.json": json.dumps(compressed_tensors.quantization_config(config, ignore),
+                                          indent=2, sort_keys=True)}
+    hfq = hf_quant_config(plan)
     if opts.fmt == "trtllm":
         config = trtllm_config(src.config_json, src.cfg, hfq, mapping)
     else:
@@ -212,6 +221,23 @@ def _fixed_mmap_threshold() -> None:
         pass  # not glibc: nothing to tune
 
 
+def _check_format(recipe, src: InputCheckpoint, opts: ConvertOptions) -> None:
+    """compressed-tensors takes fp8_channel recipes only, and fp8_channel only goes there."""
+    from .plan import linear_modules
+
+    formats = {m: recipe.format_of(m) for m in linear_modules(src.cfg)}
+    if opts.fmt == CT:
+        from . import compressed_tensors
+
+        compressed_tensors.check_formats(formats)
+        if opts.kv_cache == "fp8":
+            raise ConvertError("--kv-cache fp8 needs calibrated ModelOpt k/v scales; "
+                               "--format compressed-tensors writes none")
+    elif "fp8_channel" in formats.values():
+        raise ConvertError(f"--quant {opts.quant}: fp8_channel (FP8_DYNAMIC) is written as a "
+                           "compressed-tensors checkpoint; add --format compressed-tensors")
+
+
 def convert(in_dir: str | Path, out_dir: str | Path, opts: ConvertOptions) -> Path:
     _fixed_mmap_threshold()
     if hasattr(signal, "SIGXFSZ"):  # a file-size limit must raise EFBIG, not kill the process
@@ -222,10 +248,13 @@ def convert(in_dir: str | Path, out_dir: str | Path, opts: ConvertOptions) -> Pa
     _check_dirs(src, out_dir)
     recipe = load_recipe(opts.quant)
     mapping = check_mapping(src.cfg, opts.tp, opts.ep) if opts.fmt == "trtllm" else None
-    if opts.fmt == "hf" and (opts.tp, opts.ep) != (1, 1):
+    if opts.fmt != "trtllm" and (opts.tp, opts.ep) != (1, 1):
         raise ConvertError("--tp/--ep shard the `trtllm` layout; add --format trtllm")
+    _check_format(recipe, src, opts)
     tokens, why = _calibration_tokens(src, opts)
-    if tokens is None:
+    if tokens is None and opts.fmt == CT:
+        _log(f"{why}: no calibration")
+    elif tokens is None:
         _log(f"WARNING: {why}: writing WEIGHT-ONLY scales (no input_scale; NVFP4 becomes "
              "W4A16_NVFP4; no k/v scales, so FP8 KV runs with scale 1.0)")
     plan = make_plan(src.cfg, recipe, tokens is not None, opts.kv_cache == "fp8")

@@ -152,6 +152,8 @@ def linear_outputs(module: str, fmt: str, shape, dtype, calibrated: bool):
                 (module + ".weight_scale_2", F32, ())]
     elif fmt == "fp8":
         outs = [(w, FP8, (n, k)), (module + ".weight_scale", F32, ())]
+    elif fmt == "fp8_channel":  # compressed-tensors: the scale in the model dtype, [N, 1]
+        outs = [(w, FP8, (n, k)), (module + ".weight_scale", dtype, (n, 1))]
     else:  # fp8_pb_wo: ModelOpt keeps the block-amax dims; one block -> 0-d
         nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
         scale_shape = () if nb * kb == 1 else (nb, 1, kb, 1)

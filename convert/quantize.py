@@ -146,4 +146,10 @@ def quantize_unit(unit: Unit, tensors: dict[str, torch.Tensor], calib: Calibrati
     act = _input_amax(unit, calib) if unit.fmt in ("fp8", "nvfp4") else None
     if unit.fmt in ("nvfp4", "w4a16_nvfp4"):
         return _nvfp4(weights, amaxes, act, threads)
+    if unit.fmt == "fp8_channel":  # by the compressed-tensors library, per Linear
+        from . import compressed_tensors
+
+        return [(m + suffix, t) for m, w in weights.items()
+                for suffix, t in zip((".weight", ".weight_scale"),
+                                     compressed_tensors.encode(w.cpu()))]
     return _fp8(unit, weights, amaxes, act)

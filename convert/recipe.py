@@ -2,7 +2,8 @@
 
 A rule list is matched in order (fnmatch on the module name, i.e. the weight name without
 `.weight`); the first match wins. Formats: `fp8` (per tensor), `fp8_pb_wo` (128x128 blocks),
-`nvfp4`, `none` (kept in BF16). Rules only ever see Linear modules: embeddings, the MoE
+`nvfp4`, `fp8_channel` (compressed-tensors FP8_DYNAMIC: per-channel weights, dynamic
+per-token activations; `--format compressed-tensors` only), `none` (kept in BF16). Rules only ever see Linear modules: embeddings, the MoE
 router `mlp.gate` (weight and bias, FP32), the norms and the attention's `self_attn.gate_bias`
 are never quantized, whatever a recipe says. Mind the two gates: `*.self_attn.gate_proj` is
 the attention's output gate (a Linear as large as q_proj), `*.mlp.gate_proj` the MLP's.
@@ -22,8 +23,9 @@ import yaml
 
 from .errors import ConvertError
 
-FORMATS = ("fp8", "fp8_pb_wo", "nvfp4", "none")
-WEIGHT_ONLY = {"nvfp4": "w4a16_nvfp4", "fp8": "fp8", "fp8_pb_wo": "fp8_pb_wo", "none": "none"}
+FORMATS = ("fp8", "fp8_pb_wo", "nvfp4", "fp8_channel", "none")
+WEIGHT_ONLY = {"nvfp4": "w4a16_nvfp4", "fp8": "fp8", "fp8_pb_wo": "fp8_pb_wo",
+               "fp8_channel": "fp8_channel", "none": "none"}  # fp8_channel: dynamic activations
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from .verify_cpu import error_stats
 # A decoded weight further than this from the input (relative Frobenius norm) is broken, not
 # merely quantized: E4M3 keeps 3 mantissa bits (~2.5% typical), E2M1 with E4M3 block scales
 # ~10% on Gaussian weights (shared/research/modelopt.md §4: 0.095).
-REL_ERR_LIMIT = {"fp8": 0.06, "nvfp4": 0.16}
+REL_ERR_LIMIT = {"fp8": 0.06, "fp8_channel": 0.06, "nvfp4": 0.16}
 LOGIT_TEXT_TOKENS = (4, 64)  # samples x tokens for the logits check
 POSITIVE_SCALES = (".weight_scale", ".weight_scale_2", ".input_scale")
 QUANTIZED = (torch.uint8, torch.float8_e4m3fn)
@@ -90,8 +90,11 @@ def _check_scale(q: QuantizedCheckpoint, name: str) -> str | None:
 def _quantized_stats(q, src, name: str, stored: torch.Tensor):
     module = name[: -len(".weight")]
     scale_2 = q.tensor(module + ".weight_scale_2") if stored.dtype == torch.uint8 else None
-    st = error_stats(stored, q.tensor(module + ".weight_scale"), scale_2, src.read_stored(name))
+    scale = q.tensor(module + ".weight_scale")
     fmt = "nvfp4" if stored.dtype == torch.uint8 else "fp8"
+    if q.compressed_tensors:  # [N, 1] per-channel scale: decoded per row, exactly in FP32
+        scale, fmt = scale.float().reshape(-1), "fp8_channel"
+    st = error_stats(stored, scale, scale_2, src.read_stored(name))
     problems = []
     if st.bad_input:
         problems.append(f"tensor {name}: the input holds {st.bad_input} inf/NaN values")

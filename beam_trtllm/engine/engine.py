@@ -43,19 +43,22 @@ def default_device() -> torch.device:
 class Engine(DisaggMixin, OutputMixin):
     def __init__(self, cfg: BeamConfig, weights: dict[str, torch.Tensor], layer_plan: dict,
                  options: BuildOptions, kv_plan: KVPlan, device: torch.device | str = "cpu",
-                 tokenizer=None, eos_token_ids: Sequence[int] = (), use_cuda_graphs: bool = True):
+                 tokenizer=None, eos_token_ids: Sequence[int] = (), use_cuda_graphs: bool = True,
+                 parallel=None):
         self.cfg, self.options, self.kv_plan = cfg, options, kv_plan
+        self.parallel = parallel  # a rank of a parallel engine (parallel/rank.py), or None
+        kv_cfg = cfg if parallel is None else parallel.mapping.local_config(cfg)  # its KV heads
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         k_scales, v_scales = _kv_scales(weights, cfg) if kv_plan.kv_dtype == "fp8" else ({}, {})
-        self.kv = KVCache(cfg, kv_plan.num_blocks, kv_plan.block_size, kv_plan.max_seqs,
+        self.kv = KVCache(kv_cfg, kv_plan.num_blocks, kv_plan.block_size, kv_plan.max_seqs,
                           kv_plan.kv_dtype, self.device, k_scales, v_scales)
         self.blocks = BlockManager(kv_plan.num_blocks, kv_plan.block_size,
                                    self.kv.read_block, self.kv.write_block)
         self.scheduler = Scheduler(self.blocks, self.kv, options.max_batch, options.max_num_tokens,
                                    len(cfg.sliding_layers), cfg.sliding_window)
-        self.model = BeamModel(cfg, weights, layer_plan, self.kv)
+        self.model = BeamModel(cfg, weights, layer_plan, self.kv, parallel)
         self.requests: dict[str, Request] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(0)
         self.kv_event_sink = None
@@ -63,7 +66,8 @@ class Engine(DisaggMixin, OutputMixin):
         self._arrivals = itertools.count()
         self._lock = threading.RLock()
         self.graphs = None
-        if self.device.type == "cuda" and use_cuda_graphs and options.cuda_graph_batch_sizes:
+        if self.device.type == "cuda" and use_cuda_graphs and options.cuda_graph_batch_sizes \
+                and parallel is None:  # a rank's collectives run eagerly
             from .graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, options, kv_plan, cfg, self.device)
@@ -88,11 +92,16 @@ class Engine(DisaggMixin, OutputMixin):
 
             load_autotune(spec, device, autotune, progress or _stderr)
         weights = load_weights(spec, device)
+        parallel = None
+        if spec.parallel is not None:  # a rank dir: torch.distributed must be up (launch.py)
+            from .parallel import rank_of
+
+            parallel = rank_of(spec, device)
         tokenizer = TextTokenizer(spec.path)
         eos = spec.cfg.eos_token_id
         eos_ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
         return cls(spec.cfg, weights, spec.layer_plan, spec.options, spec.kv, device, tokenizer,
-                   eos_ids, use_cuda_graphs)
+                   eos_ids, use_cuda_graphs, parallel)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -165,6 +174,8 @@ class Engine(DisaggMixin, OutputMixin):
             if chunks:
                 logits = self._forward(chunks)
                 outputs += self._after_forward(chunks, logits)
+            elif self.parallel is not None:  # attention DP: join the other ranks' MoE
+                self.parallel.idle_step(self.model)
             self._flush_events()
             self.stats["steps"] += 1
             self.stats["preemptions"] = self.scheduler.num_preemptions
@@ -188,8 +199,13 @@ class Engine(DisaggMixin, OutputMixin):
         """The load a router weighs (Dynamo's ComponentSnapshot fields plus ours)."""
         with self._lock:
             states = [r.state for r in self.requests.values()]
+            held = {State.PINNED: 0, State.RESERVED: 0}
+            for r in self.requests.values():
+                if r.state in held:
+                    held[r.state] += len(r.block_ids)
             return {
                 "kv_used_blocks": self.blocks.num_used, "kv_total_blocks": self.blocks.num_blocks,
+                "kv_pinned_blocks": held[State.PINNED], "kv_reserved_blocks": held[State.RESERVED],
                 "kv_cached_blocks": self.blocks.num_cached, "block_size": self.blocks.block_size,
                 "ring_rows_free": self.kv.free_rows, "ring_rows_total": self.kv.max_seqs,
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),

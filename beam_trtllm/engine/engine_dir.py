@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..config import BeamConfig, ConfigError
-from .build import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, sha256_file
+from .build_parts import ENGINE_FORMAT, ENGINE_FORMAT_VERSION, sha256_file
 from .plan import BuildOptions, KVPlan
 from .tuned_kernels import TUNED_FILE, read_table
 from .types import EngineError
@@ -28,6 +28,7 @@ class EngineSpec:
     kv: KVPlan
     layer_plan: dict
     tuned: dict | None = None  # tuned_kernels.json, validated (tuned_kernels.py)
+    parallel: object = None    # a rank dir of a parallel engine: its ParallelMapping
 
     @property
     def target(self) -> str:
@@ -44,6 +45,10 @@ def read_engine_dir(path: str | Path, verify: bool = True) -> EngineSpec:
     path = Path(path)
     where = f"engine dir {path}"
     spec_file = path / "engine.json"
+    if (path / "parallel.json").is_file() and not spec_file.is_file():
+        raise EngineError(f"{where} is a parallel engine (parallel.json): its ranks run in one "
+                          "process each; use `beam-trt generate` on it or "
+                          "beam_trtllm.engine.parallel.launch, which load rank{r}/ per rank")
     if not spec_file.is_file():
         raise EngineError(f"{where}: no engine.json (not an engine dir, or its build did not finish)")
     try:
@@ -76,7 +81,13 @@ def read_engine_dir(path: str | Path, verify: bool = True) -> EngineSpec:
     tuned = None
     if TUNED_FILE in files:  # a corrupt or malformed table refuses the dir, on any device
         tuned = read_table(path / TUNED_FILE)
-    return EngineSpec(path, raw, cfg, options, kv, layer_plan, tuned)
+    parallel = None
+    if raw.get("parallel") is not None:
+        from .parallel.mapping import ParallelMapping
+
+        parallel = ParallelMapping.from_json(raw["parallel"], f"{spec_file}: parallel")
+        parallel.check(cfg)
+    return EngineSpec(path, raw, cfg, options, kv, layer_plan, tuned, parallel)
 
 
 def _check_files(path: Path, files: dict, verify: bool) -> None:

@@ -81,6 +81,8 @@ def _linear(x: torch.Tensor | None, segments: list[tuple[str, dict]],
             outs.append(_ops().linear_fp8(x, w["weight"], w["weight_scale"], w["input_scale"]))
         elif fmt == "fp8_block":
             outs.append(_ops().linear_fp8_block(x, w["weight"], w["weight_scale"]))
+        elif fmt == "fp8_channel":  # activations quantized per token inside the op
+            outs.append(_ops().linear_fp8_channel(x, w["weight"], w["weight_scale"]))
         elif fmt == "nvfp4":
             outs.append(_ops().linear_nvfp4(x, w["weight"], w["weight_scale"], w["weight_scale_2"]))
         else:
@@ -92,8 +94,9 @@ class BeamModel:
     """The repacked weights (on one device) and the step forward."""
 
     def __init__(self, cfg: BeamConfig, weights: dict[str, torch.Tensor], layer_plan: dict,
-                 kv: KVCache):
+                 kv: KVCache, parallel=None):
         self.cfg, self.kv = cfg, kv
+        self.parallel = parallel  # a rank of a parallel engine (parallel/rank.py), or None
         self.ops = _ops()
         from plugins._common import prepare_counters, sm_count
         from plugins._rope import rope_inv_freq
@@ -148,6 +151,8 @@ class BeamModel:
     @torch.inference_mode()
     def forward(self, s: StepInputs) -> torch.Tensor:
         """-> logits [S, V] fp32 of the rows in `s.logits_rows`."""
+        if self.parallel is not None:
+            self.parallel.begin_forward(s.input_ids.shape[0])
         h = F.embedding(s.input_ids, self.embed)
         x, xq = self.input_norm(h)
         for i in range(len(self.layers)):
@@ -225,6 +230,8 @@ class BeamModel:
             if s.write_rows.numel():  # a multi-token chunk stores its last window afterwards
                 ops.cache_write(k.index_select(0, s.write_rows), v.index_select(0, s.write_rows),
                                 k_cache, v_cache, s.write_slots, ks, vs)
+        if self.parallel is not None and self.parallel.splits_attention:  # heads split
+            return self.parallel.row_linear(o, layer["self_attn.o_proj"], o_scale is not None)
         if o_scale is None:
             return _linear(o, layer["self_attn.o_proj"], act_dtype=self.act_dtype)
         return self._split_linear(None, layer["self_attn.o_proj"], o)
@@ -257,8 +264,10 @@ class BeamModel:
         cfg, ops = self.cfg, self.ops
         if not cfg.is_moe(i):
             gu = _linear(x, layer["mlp.gate_up_proj"], xq, self.act_dtype)
-            inner = cfg.intermediate_size
+            inner = gu.shape[-1] // 2  # this rank's columns in a tensor-parallel engine
             h = swiglu(gu[:, :inner], gu[:, inner:])
+            if self.parallel is not None and self.parallel.splits_attention:
+                return self.parallel.row_linear(h, layer["mlp.down_proj"], False), None
             return _linear(h, layer["mlp.down_proj"], act_dtype=self.act_dtype), None
         ids, weights = ops.group_router(x, layer["router_w"], layer["router_b"], cfg.n_group,
                                         cfg.topk_group, cfg.num_experts_per_tok,
@@ -266,6 +275,8 @@ class BeamModel:
         from plugins.add_rmsnorm import adds_partials
 
         per_slot = adds_partials(x.shape[0])
+        if self.parallel is not None:  # expert parallel: this rank's experts, then exchanged
+            return self.parallel.moe(self, i, layer, x, xq, ids, weights, per_slot)
         y = self._experts(i, layer, x, xq, ids, weights, per_slot)
         return (y.transpose(0, 1), weights) if per_slot else (y, None)
 
@@ -278,6 +289,9 @@ class BeamModel:
         if fmt == "fp8":  # on the codes the boundary wrote with a13_scale
             return ops.moe_fp8(xq, ids, weights, e["w13"], e["w13_scale"], e["w2"], e["w2_scale"],
                                e["a13_scale"], e["a2_scale"], self.act_dtype, **kw)
+        if fmt == "fp8_channel":
+            return ops.moe_fp8_channel(x, ids, weights, e["w13"], e["w13_scale"], e["w2"],
+                                       e["w2_scale"], **kw)
         if fmt == "fp8_block":
             return ops.moe_fp8_block(x, ids, weights, e["w13"], e["w13_scale"], e["w2"],
                                      e["w2_scale"], **kw)

@@ -1,7 +1,9 @@
 """Repacking checkpoint weights into the layout the `beam::` ops read (docs/DESIGN.md §2).
 
-Per decoder layer, from a BF16 or ModelOpt-quantized checkpoint (the format of each Linear is
-read off its tensors, so mixed precision works):
+Per decoder layer, from a BF16, ModelOpt-quantized or compressed-tensors FP8_DYNAMIC checkpoint
+(the format of each Linear is read off its tensors, so mixed precision works; compressed-
+tensors Linears are "fp8_channel": FP8 weights with one scale per output row, activations
+quantized per token by the op):
 - `self_attn.qkvg_proj`: q, k, v and the output gate's `gate_proj` packed along the output dim
   (vLLM's qkv_gate_proj: all four read the same x), so one GEMM produces the `qkvg` row
   `beam::qk_prep` takes; `self_attn.gate_bias` [Hq] beside it. Matrices pack into one *segment* (one GEMM)
@@ -25,12 +27,14 @@ import torch
 
 from ..config import BeamConfig
 from ..quant_formats import FP8_BLOCK, fp8_block_scale_2d
+from ..quant_schemes import Scheme
 from .types import EngineError
 
 FIELDS = {
     "bf16": ("weight",),
     "fp8": ("weight", "weight_scale", "input_scale"),
     "fp8_block": ("weight", "weight_scale"),
+    "fp8_channel": ("weight", "weight_scale"),  # compressed-tensors FP8_DYNAMIC: scale [N]
     "nvfp4": ("weight", "weight_scale", "weight_scale_2"),
 }
 PACKED = {  # engine name -> checkpoint Linears packed into it, in output-row order
@@ -46,11 +50,16 @@ LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
 Get = Callable[[str], torch.Tensor]  # checkpoint tensor by name (raises EngineError if absent)
 
 
-def linear_format(get_dtype: Callable[[str], "torch.dtype | None"], name: str) -> str:
-    """The format of checkpoint Linear `name` (module path), from its weight's dtype."""
+def linear_format(get_dtype: Callable[[str], "torch.dtype | None"], name: str,
+                  scheme: Scheme | None = None) -> str:
+    """The format of checkpoint Linear `name` (module path), from its weight's dtype; in a
+    compressed-tensors checkpoint from its scheme (targets and `ignore`), which the weight's
+    dtype must agree with."""
     dtype = get_dtype(f"{name}.weight")
     if dtype is None:
         raise EngineError(f"checkpoint has no tensor {name}.weight")
+    if scheme is not None and scheme.method == "compressed-tensors":
+        return _ct_format(name, dtype, scheme)
     if dtype in (torch.bfloat16, torch.float16, torch.float32):
         return "bf16"
     if dtype == torch.uint8:
@@ -61,6 +70,39 @@ def linear_format(get_dtype: Callable[[str], "torch.dtype | None"], name: str) -
                       "GEMM reads (bf16, float8_e4m3fn or uint8 NVFP4 expected)")
 
 
+def _ct_format(name: str, dtype: torch.dtype, scheme: Scheme) -> str:
+    if scheme.ct_quantized(name):
+        if dtype != torch.float8_e4m3fn:
+            raise EngineError(f"checkpoint tensor {name}.weight is {dtype}, but the "
+                              "compressed-tensors scheme quantizes it (no `ignore` entry matches "
+                              f"{name}): expected float8_e4m3fn")
+        return "fp8_channel"
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise EngineError(f"checkpoint tensor {name}.weight is {dtype}, but the "
+                          f"compressed-tensors scheme leaves {name} unquantized (ignore "
+                          f"{scheme.ignore}, targets {scheme.targets})")
+    return "bf16"
+
+
+def _channel_part(get: Get, get_dtype, name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors FP8_DYNAMIC: weight_scale [N, 1] in the model dtype -> FP32 [N]."""
+    scale_name = f"{name}.weight_scale"
+    if get_dtype(scale_name) is None:
+        raise EngineError(f"checkpoint has no tensor {scale_name}: the per-channel scale of the "
+                          f"FP8 weight {name}.weight {list(w.shape)}")
+    scale = get(scale_name)
+    n = w.shape[0]
+    if tuple(scale.shape) not in ((n, 1), (n,)) or not scale.is_floating_point():
+        raise EngineError(f"checkpoint tensor {scale_name} is {scale.dtype} {list(scale.shape)}; "
+                          f"a per-channel FP8 weight [{n}, {w.shape[1]}] needs a float scale "
+                          f"[{n}, 1]")
+    scale = scale.float().reshape(n)
+    if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+        raise EngineError(f"checkpoint tensor {scale_name} holds a scale that is not a positive "
+                          "finite number")
+    return {"weight": w, "weight_scale": scale.contiguous()}
+
+
 def _part(get: Get, get_dtype, name: str, fmt: str,
           dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """One checkpoint Linear in the engine's per-format fields (FP8 scales made per-row;
@@ -68,6 +110,8 @@ def _part(get: Get, get_dtype, name: str, fmt: str,
     w = get(f"{name}.weight")
     if fmt == "bf16":
         return {"weight": w.to(dtype)}
+    if fmt == "fp8_channel":
+        return _channel_part(get, get_dtype, name, w)
     if fmt == "nvfp4":
         if get_dtype(f"{name}.input_scale") is not None:
             get(f"{name}.input_scale")  # W4A16 on Hopper: activations stay BF16, scale unused
@@ -96,7 +140,7 @@ def _is_block_scale(scale: torch.Tensor, w: torch.Tensor, has_input_scale: bool,
 
 
 def _packable(fmt: str, seg: list[dict], part: dict) -> bool:
-    if fmt == "bf16":
+    if fmt in ("bf16", "fp8_channel"):  # per-token activation scales: nothing to share
         return True
     if fmt == "nvfp4":
         return bool(torch.equal(seg[0]["weight_scale_2"], part["weight_scale_2"]))
@@ -117,14 +161,14 @@ def _concat(fmt: str, parts: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def pack_linears(get: Get, get_dtype, prefix: str, names: tuple[str, ...],
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, scheme: Scheme | None = None):
     """Checkpoint Linears `prefix + name` -> (engine tensors {"{seg}.{field}": t}, segment plan).
 
     Plan entry per segment: {"format", "parts", "rows"} (rows = output features)."""
     segments: list[tuple[str, list[str], list[dict]]] = []
     for name in names:
         full = prefix + name
-        fmt = linear_format(get_dtype, full)
+        fmt = linear_format(get_dtype, full, scheme)
         part = _part(get, get_dtype, full, fmt, dtype)
         fmt = "fp8_block" if "_block" in part else fmt
         if segments and segments[-1][0] == fmt and _packable(fmt, segments[-1][2], part):
@@ -143,15 +187,17 @@ def pack_linears(get: Get, get_dtype, prefix: str, names: tuple[str, ...],
 
 # ---------------------------------------------------------------------------- experts
 def pack_experts(get: Get, get_dtype, prefix: str, cfg: BeamConfig,
-                 dtype: torch.dtype = torch.bfloat16):
-    """All routed experts of one layer -> ({w13, w2, scales}, format) in the moe op layout."""
-    e_count = cfg.num_experts
-    fmt = linear_format(get_dtype, f"{prefix}mlp.experts.0.gate_proj")
+                 dtype: torch.dtype = torch.bfloat16, scheme: Scheme | None = None,
+                 experts: range | None = None):
+    """The routed experts of one layer (all, or an expert-parallel rank's contiguous range)
+    -> ({w13, w2, scales}, format) in the moe op layout."""
+    experts = range(cfg.num_experts) if experts is None else experts
+    fmt = linear_format(get_dtype, f"{prefix}mlp.experts.{experts.start}.gate_proj", scheme)
     gate, up, down = [], [], []
-    for e in range(e_count):
+    for e in experts:
         p = f"{prefix}mlp.experts.{e}."
         for name in ("gate_proj", "up_proj", "down_proj"):
-            if linear_format(get_dtype, p + name) != fmt:
+            if linear_format(get_dtype, p + name, scheme) != fmt:
                 raise EngineError(f"{p}{name} is not {fmt} like expert 0's gate_proj: the moe op "
                                   "needs every expert of a layer in one format")
         gate.append(_part(get, get_dtype, p + "gate_proj", fmt, dtype))
@@ -183,6 +229,8 @@ def pack_experts(get: Get, get_dtype, prefix: str, cfg: BeamConfig,
     out["w13_scale"] = torch.stack([torch.cat([g["weight_scale"], u["weight_scale"]])
                                     for g, u in zip(gate, up)])
     out["w2_scale"] = torch.stack([d["weight_scale"] for d in down])
+    if fmt == "fp8_channel":  # activations scaled per token by the op
+        return out, fmt
     out["a13_scale"] = _shared_scale([s for g, u in zip(gate, up) for s in (g, u)],
                                      f"{prefix}mlp.experts.*.gate_proj/up_proj.input_scale")
     out["a2_scale"] = _shared_scale(down, f"{prefix}mlp.experts.*.down_proj.input_scale")
@@ -205,9 +253,10 @@ def _shared_scale(parts: list[dict], what: str) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- whole model
 def layer_tensors(get: Get, get_dtype, cfg: BeamConfig, i: int,
-                  dtype: torch.dtype = torch.bfloat16):
+                  dtype: torch.dtype = torch.bfloat16, scheme: Scheme | None = None,
+                  experts: range | None = None):
     """Engine tensors of decoder layer i and its plan entry (segments and expert format);
-    unquantized tensors in `dtype` (the router FP32)."""
+    unquantized tensors in `dtype` (the router FP32). `experts`: an expert-parallel rank's."""
     p = f"model.layers.{i}."
     out: dict[str, torch.Tensor] = {}
     plan: dict = {}
@@ -219,14 +268,14 @@ def layer_tensors(get: Get, get_dtype, cfg: BeamConfig, i: int,
     if not cfg.is_moe(i):
         packed += ["mlp.gate_up_proj", "mlp.down_proj"]
     for name in packed:
-        tensors, segs = pack_linears(get, get_dtype, p, PACKED[name], dtype)
+        tensors, segs = pack_linears(get, get_dtype, p, PACKED[name], dtype, scheme)
         out.update({f"{p}{name}.{k}": t for k, t in tensors.items()})
         plan[name] = segs
     if cfg.is_moe(i):
         out[f"{p}mlp.gate.weight"] = get(f"{p}mlp.gate.weight").float()
         out[f"{p}mlp.gate.e_score_correction_bias"] = get(f"{p}mlp.gate.e_score_correction_bias").float()
-        experts, fmt = pack_experts(get, get_dtype, p, cfg, dtype)
-        out.update({f"{p}mlp.experts.{k}": t.contiguous() for k, t in experts.items()})
+        packed_experts, fmt = pack_experts(get, get_dtype, p, cfg, dtype, scheme, experts)
+        out.update({f"{p}mlp.experts.{k}": t.contiguous() for k, t in packed_experts.items()})
         plan["experts"] = fmt
     for kv in ("k", "v"):
         name = f"{p}self_attn.{kv}_proj.{kv}_scale"
@@ -236,11 +285,19 @@ def layer_tensors(get: Get, get_dtype, cfg: BeamConfig, i: int,
 
 
 def iter_engine_tensors(get: Get, get_dtype, cfg: BeamConfig,
-                        dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, dict, dict]]:
-    """Yield (group, tensors, plan) one group at a time: "embed", each layer, "head"."""
+                        dtype: torch.dtype = torch.bfloat16,
+                        scheme: Scheme | None = None,
+                        experts: range | None = None) -> Iterator[tuple[str, dict, dict]]:
+    """Yield (group, tensors, plan) one group at a time: "embed", each layer, "head". `scheme`:
+    the checkpoint's declared quantization (quant_schemes.read_scheme); `experts`: the expert
+    range of an expert-parallel rank (default all)."""
     yield "embed", {"model.embed_tokens.weight": get("model.embed_tokens.weight").to(dtype)}, {}
     for i in range(cfg.num_hidden_layers):
-        tensors, plan = layer_tensors(get, get_dtype, cfg, i, dtype)
+        tensors, plan = layer_tensors(get, get_dtype, cfg, i, dtype, scheme, experts)
         yield f"layer{i}", tensors, plan
+    if linear_format(get_dtype, "lm_head", scheme) != "bf16":
+        raise EngineError("checkpoint tensor lm_head.weight is quantized; the engine runs the "
+                          "LM head unquantized (every shipped recipe and published FP8 / NVFP4 "
+                          "Beam keeps it BF16)")
     yield "head", {"model.norm.weight": get("model.norm.weight").to(dtype),
                    "lm_head.weight": get("lm_head.weight").to(dtype)}, {}
