@@ -17,7 +17,7 @@ import torch
 
 from .checkpoint import expected_tensors, save_sharded
 from .config import PRESETS, BeamConfig
-from .tokenizer import END_OF_TEXT, IM_END, PAD, write_tokenizer_files
+from .tokenizer import END_OF_TEXT, EOS_TOKENS, PAD, write_tokenizer_files
 
 LOGIT_STD = 2.0
 SPECIAL_LOGIT_DAMPING = 0.25
@@ -66,7 +66,7 @@ def init_tiny(out_dir: str | Path, seed: int = 0, cfg: BeamConfig | None = None,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer_files(out, cfg.vocab_size, cfg.max_position_embeddings)
-    eos = [ids[IM_END], ids[END_OF_TEXT]]
+    eos = [ids[t] for t in EOS_TOKENS]
     cfg = cfg.replace(bos_token_id=ids[END_OF_TEXT], eos_token_id=eos, pad_token_id=ids[PAD])
     (out / "config.json").write_text(json.dumps(cfg.to_hf(dtype="bfloat16"), indent=2))
     generation = {

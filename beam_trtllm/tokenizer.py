@@ -1,4 +1,5 @@
-"""The tiny Beam's tokenizer: a byte-level BPE trained on the bundled corpus, plus chat template.
+"""The tiny Beam's tokenizer: a byte-level BPE trained on the bundled corpus, Beam's special
+tokens, its chat template and the `response_template` metadata (beam_trtllm/chat/, docs/CHAT.md).
 
 Special tokens are appended after the learned vocabulary, so the total equals the config's
 `vocab_size` exactly and every id the model can emit decodes to text.
@@ -12,27 +13,23 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-END_OF_TEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-PAD = "<|pad|>"
-SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, PAD)
+from .chat.format import BEAM_SPECIAL_TOKENS, CALL, RETURN, chat_template, response_template
 
-# ChatML, the format Dynamo's frontend and transformers both render with Jinja.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+END_OF_TEXT = "<|endoftext|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = (END_OF_TEXT, PAD) + BEAM_SPECIAL_TOKENS
+# A turn ends at <|return|> (an answer) or <|call|> (tool calls); <|endoftext|> ends a document.
+EOS_TOKENS = (RETURN, CALL, END_OF_TEXT)
+CHAT_TEMPLATE = chat_template()
 
 
 def corpus_text() -> str:
     return resources.files("beam_trtllm.data").joinpath("corpus.txt").read_text()
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
-    """Train a deterministic byte-level BPE of exactly `vocab_size` tokens (specials last)."""
+def build_tokenizer(vocab_size: int, lines: list[str] | None = None) -> Tokenizer:
+    """Train a deterministic byte-level BPE of exactly `vocab_size` tokens (specials last) on
+    `lines` (default: the bundled corpus)."""
     learned = vocab_size - len(SPECIAL_TOKENS)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -43,11 +40,12 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    text = corpus_text()
-    tok.train_from_iterator([line for line in text.splitlines(keepends=True)], trainer)
+    if lines is None:
+        lines = corpus_text().splitlines(keepends=True)
+    tok.train_from_iterator(lines, trainer)
     if tok.get_vocab_size() != learned:
         raise RuntimeError(
-            f"BPE training gave {tok.get_vocab_size()} tokens, wanted {learned}: the bundled "
+            f"BPE training gave {tok.get_vocab_size()} tokens, wanted {learned}: the training "
             "corpus is too small for this vocab_size"
         )
     tok.add_special_tokens(list(SPECIAL_TOKENS))
@@ -59,9 +57,11 @@ def special_token_ids(vocab_size: int) -> dict[str, int]:
     return {name: first + i for i, name in enumerate(SPECIAL_TOKENS)}
 
 
-def write_tokenizer_files(out_dir: Path, vocab_size: int, max_length: int) -> dict[str, int]:
-    """Write tokenizer.json and tokenizer_config.json; returns the special token ids."""
-    tok = build_tokenizer(vocab_size)
+def write_tokenizer_files(out_dir: Path, vocab_size: int, max_length: int,
+                          lines: list[str] | None = None) -> dict[str, int]:
+    """Write tokenizer.json and tokenizer_config.json (the BPE trained on `lines`, default the
+    bundled corpus); returns the special token ids."""
+    tok = build_tokenizer(vocab_size, lines)
     tok.save(str(out_dir / "tokenizer.json"))
     ids = special_token_ids(vocab_size)
     for name, i in ids.items():
@@ -69,13 +69,14 @@ def write_tokenizer_files(out_dir: Path, vocab_size: int, max_length: int) -> di
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": END_OF_TEXT,
-        "eos_token": IM_END,
+        "eos_token": RETURN,
         "pad_token": PAD,
         "unk_token": None,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
         "chat_template": CHAT_TEMPLATE,
+        "response_template": response_template(),
         "added_tokens_decoder": {
             str(i): {"content": name, "special": True, "lstrip": False, "rstrip": False,
                      "normalized": False, "single_word": False}
@@ -87,7 +88,12 @@ def write_tokenizer_files(out_dir: Path, vocab_size: int, max_length: int) -> di
 
 
 class TextTokenizer:
-    """What the CLI and engine need: encode, decode, chat prompt, stop ids."""
+    """What the CLI, engine and chat frontend need: encode, decode, chat prompt, stop ids.
+
+    `encode` reads special-token strings as control tokens (a raw prompt); `encode_plain`
+    never does; `chat_ids` renders a chat and tokenizes it so that only the template's
+    delimiters are control tokens (beam_trtllm/chat/template.py).
+    """
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -98,20 +104,52 @@ class TextTokenizer:
         cfg_path = model_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.chat_template = self.config.get("chat_template")
+        self.special_tokens = [t["content"] for t in self.config.get(
+            "added_tokens_decoder", {}).values() if t.get("special")]
+        self._prompt_tok = None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def encode_plain(self, text: str) -> list[int]:
+        return self.prompt_tokenizer.encode_plain(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def vocab(self) -> list[str]:
+        """Token strings by id (byte-level encoded), for the grammar's token masks."""
+        by_id = {i: t for t, i in self.tok.get_vocab(with_added_tokens=True).items()}
+        return [by_id.get(i, "") for i in range(max(by_id) + 1)]
+
+    @property
+    def prompt_tokenizer(self):
+        from .chat.template import PromptTokenizer
+
+        if self._prompt_tok is None:
+            self._prompt_tok = PromptTokenizer(self.tok, self.special_tokens)
+        return self._prompt_tok
+
+    def _render(self, messages, tools, add_generation_prompt, **kwargs) -> str:
+        from .chat.template import normalize_messages, render
+
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
-        import jinja2  # installed with torch; only needed for chat prompts
+        return render(self.chat_template, normalize_messages(messages), tools,
+                      add_generation_prompt, **kwargs)
 
-        template = jinja2.Environment().from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """The prompt as text (for display; tokenize chats with `chat_ids`)."""
+        from .chat.template import unescape
+
+        return unescape(self._render(messages, tools, add_generation_prompt, **kwargs))
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None, **kwargs) -> list[int]:
+        rendered = self._render(messages, tools, add_generation_prompt, **kwargs)
+        return self.prompt_tokenizer.encode_rendered(rendered)

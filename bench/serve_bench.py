@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 from dynamo_graphs.graph import parse_graph  # noqa: E402
 from dynamo_graphs.launch import launch  # noqa: E402
 
+HANG_S = 120.0  # a request without an end after this long is counted as hung
+
 
 def prompts(tokenizer, n: int, length: int, tag: str) -> list[list[int]]:
     """n distinct prompts of exactly `length` tokens (distinct heads: no prefix sharing)."""
@@ -39,12 +41,20 @@ def prompts(tokenizer, n: int, length: int, tag: str) -> list[list[int]]:
     return out
 
 
-def summarize(records, wall: float) -> dict:
+def p99(values) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.99 * len(values)))] if values else float("nan")
+
+
+def summarize(records, wall: float, errors: int = 0, hung: int = 0) -> dict:
     tokens = sum(r["n"] for r in records)
     itls = [(r["t_last"] - r["t_first"]) / (r["n"] - 1) for r in records if r["n"] > 1]
-    return {"tok_s": tokens / wall, "ttft_ms": 1e3 * statistics.mean(r["ttft"] for r in records),
+    ttfts = [r["ttft"] for r in records]
+    return {"tok_s": tokens / wall, "ttft_ms": 1e3 * statistics.mean(ttfts),
+            "ttft_p99_ms": 1e3 * p99(ttfts),
             "itl_ms": 1e3 * statistics.mean(itls) if itls else float("nan"),
-            "requests": len(records)}
+            "itl_p99_ms": 1e3 * p99(itls), "requests": len(records), "errors": errors,
+            "hung": hung}
 
 
 # --------------------------------------------------------------------------- direct engine
@@ -104,21 +114,29 @@ async def run_dynamo(url: str, work, concurrency: int, max_tokens: int) -> dict:
 
     queue = list(work)
     records = []
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    failures = {"errors": 0, "hung": 0}
+    async with aiohttp.ClientSession() as session:
 
         async def slot():
             while queue:
                 ids = queue.pop(0)
                 rec = {"t0": time.perf_counter(), "n": 0, "t_first": None, "t_last": None}
-                await _one(session, url, ids, max_tokens, rec)
+                try:  # a request with no end within HANG_S counts as hung, not as a wait
+                    await asyncio.wait_for(_one(session, url, ids, max_tokens, rec), HANG_S)
+                except asyncio.TimeoutError:
+                    failures["hung"] += 1
+                    continue
+                except (RuntimeError, OSError) as exc:
+                    failures["errors"] += 1
+                    print(f"request failed: {exc}", flush=True)
+                    continue
                 rec["ttft"] = rec["t_first"] - rec["t0"]
                 records.append(rec)
 
         t0 = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(slot() for _ in range(concurrency))), 1800)
         wall = time.perf_counter() - t0
-    return summarize(records, wall)
+    return summarize(records, wall, **failures)
 
 
 def graph(name: str, engine_dir: Path, workers: list[dict], offload: dict | None = None):
@@ -166,10 +184,13 @@ def throughput(args, tokenizer) -> list[tuple]:
             running.stop()
     rows = []
     for (setup, c), runs in sorted(samples.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        med = {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "ttft_ms", "itl_ms")}
+        med = {k: statistics.median(r[k] for r in runs)
+               for k in ("tok_s", "ttft_ms", "itl_ms", "ttft_p99_ms", "itl_p99_ms")}
         base = statistics.median(r["tok_s"] for r in samples[("direct", c)])
         rows.append((setup, c, sum(r["requests"] for r in runs), med["tok_s"], med["ttft_ms"],
-                     med["itl_ms"], 100 * (1 - med["tok_s"] / base)))
+                     med["itl_ms"], 100 * (1 - med["tok_s"] / base), med["ttft_p99_ms"],
+                     med["itl_p99_ms"], sum(r.get("errors", 0) for r in runs),
+                     sum(r.get("hung", 0) for r in runs)))
     return rows
 
 
@@ -209,6 +230,30 @@ def tier_ttft(args, tokenizer) -> list[tuple]:
     return rows
 
 
+def faults(args) -> None:
+    """The fault scenarios (bench/serve_faults.py) on the shipped graphs, two workers per
+    group so that a killed worker leaves a survivor to answer meanwhile."""
+    from dynamo_graphs.graph import load_graph
+    from dynamo_graphs.launch import check_engine_limits
+    from serve_faults import run_faults
+
+    for name in args.faults:
+        graph = load_graph(ROOT / "dynamo_graphs" / f"{name}.yaml", args.engine_dir)
+        from dataclasses import replace
+
+        graph = replace(graph, frontend=replace(graph.frontend, http_port=0),
+                        workers=tuple(replace(w, count=2) for w in graph.workers))
+        context = check_engine_limits(graph)
+        running = launch(graph, echo=None)
+        try:
+            groups = [w.name for w in graph.workers][::-1]  # decode before prefill
+            res = run_faults(running, groups if len(groups) > 1 else groups * 2, args, context)
+        finally:
+            running.stop()
+        print(f"\n### faults: {name}.yaml (2 workers per group)\n```\n"
+              f"{json.dumps(res, indent=1, default=str)}\n```", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engine-dir", type=Path, default=ROOT / "out/bench/engine")
@@ -222,6 +267,14 @@ def main() -> None:
     p.add_argument("--tier-repeats", type=int, default=3)
     p.add_argument("--host-mib", type=float, default=64)
     p.add_argument("--skip", choices=["throughput", "tier"], nargs="*", default=[])
+    p.add_argument("--faults", nargs="*", choices=["agg", "disagg"], default=None,
+                   help="run the fault scenarios on the shipped agg.yaml / disagg.yaml")
+    p.add_argument("--burst", type=int, default=50)
+    p.add_argument("--mixed", type=int, default=1000)
+    p.add_argument("--mixed-concurrency", type=int, default=64)
+    p.add_argument("--kill-streams", type=int, default=32)
+    p.add_argument("--kill-tokens", type=int, default=64)
+    p.add_argument("--hang-s", type=float, default=60.0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the direct engine and of every worker (same for all)")
     args = p.parse_args()
@@ -239,11 +292,14 @@ def main() -> None:
     tokenizer = TextTokenizer(args.engine_dir)
     if "throughput" not in args.skip:
         rows = throughput(args, tokenizer)
-        print("\n| setup | concurrency | requests | output tok/s | mean TTFT ms | mean ITL ms "
-              "| tok/s below direct |\n|---|---|---|---|---|---|---|")
+        print("\n| setup | concurrency | requests | output tok/s | mean TTFT ms | p99 TTFT ms "
+              "| mean ITL ms | p99 ITL ms | errors | hung | tok/s below direct |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.0f} | {r[5]:.1f} "
-                  f"| {r[6]:.1f}% |")
+            print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.0f} | {r[7]:.0f} "
+                  f"| {r[5]:.1f} | {r[8]:.1f} | {r[9]} | {r[10]} | {r[6]:.1f}% |")
+    if args.faults:
+        faults(args)
     if "tier" not in args.skip:
         rows = tier_ttft(args, tokenizer)
         print("\n| repeat | prompt tokens | TTFT cold ms | TTFT cold (2nd prompt) ms "

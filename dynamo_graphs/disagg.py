@@ -85,7 +85,36 @@ class DecodeSide:
     def __init__(self, engine, transport: NixlKvTransport, timeouts: Timeouts):
         self.engine, self.transport, self.timeouts = engine, transport, timeouts
         self._lock = threading.Lock()
-        self.stats = {"pulled": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        self._progress_until = 0.0
+        self.stats = {"pulled": 0, "failed": 0, "declined": 0, "in_flight": 0, "bytes": 0,
+                      "seconds": 0.0}
+
+    async def decline(self, params: dict) -> None:
+        """Tell the prefill worker to free a handle this worker will never read (a refused or
+        cancelled request), at once instead of after its TTL. Best effort: a dead peer's own
+        TTL, or its death, frees it anyway."""
+        if not params.get("agent") or not params.get("handle_id"):
+            return
+        self.stats["declined"] += 1
+        self._progress_until = time.monotonic() + 2.0  # run_progress keeps UCX moving
+        await asyncio.to_thread(self._decline, params)
+
+    async def run_progress(self, stop: asyncio.Event, period_s: float = 0.002) -> None:
+        """After a decline, progress the transport for a while so the message is delivered."""
+        while not stop.is_set():
+            busy = time.monotonic() < self._progress_until
+            if busy:
+                with self._lock:
+                    self.transport.progress()
+            await asyncio.sleep(period_s if busy else 0.05)
+
+    def _decline(self, params: dict) -> None:
+        with self._lock:
+            try:
+                agent = self.transport._connect(params)
+            except KvTransferError:
+                return
+            self.transport.notify_failure(agent, str(params["handle_id"]))
 
     async def pull(self, request_id: str, prompt: list[int], params: dict):
         """Reserve, READ and return the handle to continue from; raises KvTransferError."""
@@ -96,16 +125,21 @@ class DecodeSide:
                                   f"{params.get('num_tokens')} tokens, the prompt has {len(prompt)}")
         budget = self.timeouts.kv_transfer_s(int(params["nbytes"]))
         deadline = time.monotonic() + self.timeouts.kv_handoff_ttl_s
-        while True:
-            try:
-                reserved = self.engine.kv_reserve(request_id, len(prompt))
-                break
-            except KVCapacityError:
-                if time.monotonic() > deadline:  # the prefill side has released it by now
-                    raise KvTransferError(f"KV handle {params.get('handle_id')}: no room to "
-                                          "receive it before its TTL") from None
-                await asyncio.sleep(0.01)
+        try:
+            while True:
+                try:
+                    reserved = self.engine.kv_reserve(request_id, len(prompt))
+                    break
+                except KVCapacityError:
+                    if time.monotonic() > deadline:  # the prefill side has released it by now
+                        raise KvTransferError(f"KV handle {params.get('handle_id')}: no room "
+                                              "to receive it before its TTL") from None
+                    await asyncio.sleep(0.01)
+        except BaseException:  # cancelled or out of time before the READ: free the source now
+            await asyncio.shield(self.decline(params))
+            raise
         read = asyncio.ensure_future(asyncio.to_thread(self._read, params, reserved, budget))
+        self.stats["in_flight"] += 1
         try:
             seconds = await asyncio.shield(read)
         except BaseException:
@@ -115,6 +149,8 @@ class DecodeSide:
             self.engine.release(request_id)
             self.stats["failed"] += 1
             raise
+        finally:
+            self.stats["in_flight"] -= 1
         self.stats["pulled"] += 1
         self.stats["bytes"] += int(params["nbytes"])
         self.stats["seconds"] += seconds

@@ -20,6 +20,16 @@ from typing import Any, Callable
 log = logging.getLogger("beam.worker")
 
 
+class Aborted:
+    """The queue item of a request aborted by `EngineLoop.abort` (its KV is already freed)."""
+
+    def __repr__(self) -> str:
+        return "ABORTED"
+
+
+ABORTED = Aborted()
+
+
 @dataclass
 class Pending:
     """One request between submit() and its last output."""
@@ -90,9 +100,14 @@ class EngineLoop:
                 self._admit(incoming)
                 for rid in aborts:
                     self.engine.abort(rid)
-                    self._finish(rid, None)
+                    # Wake its waiter: a generate() whose client left must still run its
+                    # cleanup instead of waiting on the queue forever (the in-flight leak).
+                    self._finish(rid, ABORTED)
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
+                    self._deliver(outputs)
+                    if not outputs and not self.engine.scheduler.running:
+                        self._wait_blocked()
                 if self.on_step is not None:
                     self.on_step()
         except BaseException as exc:  # noqa: BLE001 - fail every waiter loudly, not hang them
@@ -100,6 +115,13 @@ class EngineLoop:
             self.error = exc
             for p in list(self._pending.values()):
                 self._put(p, RuntimeError(f"the engine step loop died: {exc}"))
+
+    def _wait_blocked(self, wait_s: float = 0.005) -> None:
+        """Requests wait for KV or a ring row and none runs: sleep a little instead of
+        spinning a core until an abort, a release or a new request changes that."""
+        with self._cond:
+            if not (self._stop or self._incoming or self._aborts):
+                self._cond.wait(wait_s)
 
     def _admit(self, incoming: list[Pending]) -> None:
         for p in incoming:

@@ -39,6 +39,20 @@ class FrontendSpec:
     http_host: str = "127.0.0.1"
     http_port: int = 8000  # 0 = pick a free port at launch
     router_mode: str = "kv"
+    # Dynamo's request migration: a stream whose worker died is re-sent (with the tokens so
+    # far) to another worker up to this many times; 0 = the client gets the error.
+    migration_limit: int = 3
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """The launcher restarts a dead worker `max` times per `window_s`, waiting `backoff_s`
+    before the first restart and doubling it each time (capped at `max_backoff_s`)."""
+
+    max: int = 3
+    window_s: float = 300.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,9 @@ class Timeouts:
 class Disaggregation:
     transport: str = "nixl"
     on_transfer_failure: str = "error"  # or "recompute" the prompt on the decode worker
-    max_isl: int = 4096  # longest prompt a prefill worker accepts; sizes transfer buffers
+    # Longest prompt a prefill worker accepts (sizes transfer buffers on TRT-LLM); checked
+    # against the engine's max_seq_len at launch. None = max_seq_len - 1.
+    max_isl: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,7 @@ class Graph:
     timeouts: Timeouts = field(default_factory=Timeouts)
     disaggregation: Disaggregation = field(default_factory=Disaggregation)
     offload: Offload = field(default_factory=Offload)
+    restarts: Restarts = field(default_factory=Restarts)
     k8s: K8sSpec = field(default_factory=K8sSpec)
 
     @property
@@ -193,6 +210,7 @@ def parse_graph(raw: Any, path: Path, engine_dir: str | Path | None = None) -> G
         timeouts=_timeouts(top.sub("timeouts")),
         disaggregation=_disaggregation(top.sub("disaggregation")),
         offload=_offload(top.sub("offload"), base),
+        restarts=_restarts(top.sub("restarts")),
         k8s=_k8s(top.sub("k8s")),
     )
     top.done()
@@ -205,6 +223,7 @@ def _frontend(r: _Reader) -> FrontendSpec:
         http_host=r.get("http_host", str, "127.0.0.1"),
         http_port=r.get("http_port", int, 8000, minimum=0),
         router_mode=r.get("router_mode", str, "kv", choices=ROUTER_MODES),
+        migration_limit=r.get("migration_limit", int, FrontendSpec.migration_limit, minimum=0),
     )
     if spec.http_port > 65535:
         raise GraphError(f"{r.where}: frontend.http_port must be <= 65535, got {spec.http_port}")
@@ -251,10 +270,20 @@ def _disaggregation(r: _Reader) -> Disaggregation:
         transport=r.get("transport", str, "nixl", choices=("nixl",)),
         on_transfer_failure=r.get("on_transfer_failure", str, "error",
                                   choices=ON_TRANSFER_FAILURE),
-        max_isl=r.get("max_isl", int, 4096, minimum=1),
+        max_isl=r.get("max_isl", int, None, minimum=1),
     )
     r.done()
     return d
+
+
+def _restarts(r: _Reader) -> Restarts:
+    d = Restarts()
+    out = Restarts(max=r.get("max", int, d.max, minimum=0),
+                   window_s=r.get("window_s", float, d.window_s, minimum=1.0),
+                   backoff_s=r.get("backoff_s", float, d.backoff_s, minimum=0.0),
+                   max_backoff_s=r.get("max_backoff_s", float, d.max_backoff_s, minimum=0.0))
+    r.done()
+    return out
 
 
 def _offload(r: _Reader, base: Path) -> Offload:

@@ -20,7 +20,7 @@ from typing import Any
 from beam_trtllm.config import BeamConfig
 
 from .graph import Graph, WorkerSpec
-from .launch import worker_argv
+from .commands import worker_argv
 
 API_VERSION = "nvidia.com/v1beta1"
 COMPONENT_TYPE = {"agg": "worker", "prefill": "prefill", "decode": "decode"}
@@ -33,11 +33,12 @@ def serving_options(graph: Graph):
     from beam_trtllm.trtllm.llm_args import ServingOptions
 
     k, t = graph.k8s, graph.timeouts
+    isl = {} if graph.disaggregation.max_isl is None else {"max_isl": graph.disaggregation.max_isl}
     return ServingOptions(
         tensor_parallel_size=k.tensor_parallel_size, max_seq_len=k.max_seq_len,
-        max_isl=graph.disaggregation.max_isl, kv_cache_dtype=k.kv_cache_dtype,
-        free_gpu_memory_fraction=k.free_gpu_memory_fraction,
-        kv_transfer_base_s=t.kv_transfer_base_s, kv_transfer_min_mib_s=t.kv_transfer_min_mib_s)
+        kv_cache_dtype=k.kv_cache_dtype, free_gpu_memory_fraction=k.free_gpu_memory_fraction,
+        kv_transfer_base_s=t.kv_transfer_base_s, kv_transfer_min_mib_s=t.kv_transfer_min_mib_s,
+        **isl)
 
 
 def trtllm_engine_args(graph: Graph, cfg: BeamConfig, role: str) -> dict[str, Any]:

@@ -158,6 +158,11 @@ class NixlKvTransport:
         except Exception:  # noqa: BLE001 - the peer may be gone; its TTL frees the KV then
             pass
 
+    def progress(self) -> None:
+        """Drive UCX on this side (no NIXL progress thread, and no READ running): without it
+        a sent notification can sit in the queue (DecodeSide runs this after a decline)."""
+        self.agent.get_new_notifs()
+
     def _connect(self, handle: dict) -> str:
         agent = handle["agent"]
         if agent not in self._known_agents:

@@ -31,6 +31,8 @@ def sampling_params(request: dict, max_seq_len: int, role: str):
         stop_ids += list(request.get("eos_token_ids") or [])
     top_k = so.get("top_k")
     logprobs, _ = parse_logprob_options(request.get("output_options") or {})
+    _refuse_unsupported(so, sc)
+    beam = (request.get("extra_args") or {}).get("beam") or {}
     return SamplingParams(
         max_tokens=int(max_tokens),
         temperature=float(so.get("temperature") if so.get("temperature") is not None else 0.0),
@@ -41,7 +43,26 @@ def sampling_params(request: dict, max_seq_len: int, role: str):
         stop=tuple(sc.get("stop") or ()),
         ignore_eos=ignore_eos,
         logprobs=logprobs,
+        min_p=float(so.get("min_p") or 0.0),
+        frequency_penalty=float(so.get("frequency_penalty") or 0.0),
+        presence_penalty=float(so.get("presence_penalty") or 0.0),
+        repetition_penalty=float(so.get("repetition_penalty") or 1.0),
+        logit_bias=tuple((int(t), float(b)) for t, b in (beam.get("logit_bias") or {}).items()),
+        structural_tag=beam.get("structural_tag"),
     )
+
+
+def _refuse_unsupported(so: dict, sc: dict) -> None:
+    """What Dynamo's Rust path may forward that the engine cannot honour: an error naming it
+    (the frontend answers 400), never accepted and ignored."""
+    if (so.get("n") or 1) != 1:
+        raise ValueError(f"n={so['n']}: the engine samples one sequence per request")
+    if so.get("guided_decoding"):
+        raise ValueError("guided decoding (guided_json / guided_regex / guided_choice / "
+                         "guided_grammar) is not supported; use response_format on "
+                         "/v1/chat/completions")
+    if sc.get("min_tokens"):
+        raise ValueError("min_tokens is not supported")
 
 
 def output_chunk(out, num_generated: int) -> dict[str, Any]:

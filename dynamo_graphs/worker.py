@@ -16,16 +16,17 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
-from dynamo.common.backend.disagg import require_prefill_result
 from dynamo.common.backend.health_check import build_health_check_payload, is_probe
 from dynamo.common.backend.publisher import PushSource
 from dynamo.common.constants import DisaggregationMode
-from dynamo.llm.exceptions import InvalidArgument, Unknown
+from dynamo.llm.exceptions import InvalidArgument, Unknown, WorkerUnavailable
 
-from .engine_loop import EngineLoop, RateLimiter
+from .admission import AdmissionError, Limits, check_admission
+from .engine_loop import ABORTED, EngineLoop, RateLimiter
 from .graph import MIB, Timeouts
 from .nixl_kv import KvTransferError
 from .requests import output_chunk, sampling_params
@@ -65,7 +66,10 @@ class BeamWorker(LLMEngine):
         self.prefill = self.decode = None
         self.events = KvEventForwarder()
         self.reporter: LoadReporter | None = None
-        self._by_context: dict[str, str] = {}
+        self._by_context: dict[str, RequestSlot] = {}  # Dynamo context id -> its request
+        self._slots: dict[str, RequestSlot] = {}  # every request inside generate()
+        self.ended: dict[str, int] = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        self.limits: Limits | None = None
         self._stop = asyncio.Event()
         self._poller: asyncio.Task | None = None
         self._ids = 0
@@ -86,11 +90,12 @@ class BeamWorker(LLMEngine):
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, worker_id: int) -> EngineConfig:
-        from beam_trtllm.engine.engine import Engine
+        from beam_trtllm.engine.parallel.group import open_engine
 
         self.worker_id = worker_id
         t0 = time.monotonic()
-        self.engine = await asyncio.to_thread(Engine.from_dir, self.args.engine_dir,
+        # a parallel engine dir: this worker is rank 0 of its TP/EP group and starts the others
+        self.engine = await asyncio.to_thread(open_engine, self.args.engine_dir,
                                               self.args.device)
         # The first forward pays one-time costs (op registration, allocator, torch.compile
         # wrappers): pay them here, not in the first user's TTFT. 3 tokens fill no block, so
@@ -99,6 +104,8 @@ class BeamWorker(LLMEngine):
         self.engine.set_kv_event_sink(self.events)
         self._start_offload()
         self._start_disagg(worker_id)
+        self.limits = Limits(self.engine.options.max_seq_len,
+                             self.args.max_isl if self.role == "prefill" else None)
         self.reporter = LoadReporter(self.engine, self.args.status_file, self._extra_status)
         self.loop = EngineLoop(self.engine, on_step=RateLimiter(self.reporter, 0.05))
         self.loop.start()
@@ -106,8 +113,12 @@ class BeamWorker(LLMEngine):
         log.info("beam worker %s (%s) ready in %.1f s: %d KV blocks of %d tokens, %d sequences, "
                  "max_seq_len %d", self.args.component, self.role, time.monotonic() - t0,
                  plan.num_blocks, plan.block_size, opts.max_batch, opts.max_seq_len)
+        # The chat processor in the frontend checks prompts against these before routing
+        # (beam_trtllm/chat/limits.py): context_length and the graph's max_isl.
+        runtime_data = {} if self.args.max_isl is None else {"beam_max_isl": self.args.max_isl}
         return EngineConfig(
             model=str(self.args.engine_dir.resolve()), served_model_name=self.args.served_model_name,
+            runtime_data=runtime_data,
             llm=LlmRegistration(context_length=opts.max_seq_len,
                                 kv_cache_block_size=plan.block_size,
                                 total_kv_blocks=plan.num_blocks, max_num_seqs=opts.max_batch,
@@ -142,6 +153,8 @@ class BeamWorker(LLMEngine):
                 self.prefill.run_poller(self._stop))
         else:
             self.decode = DecodeSide(self.engine, self.transport, self.timeouts)
+            self._poller = asyncio.get_running_loop().create_task(
+                self.decode.run_progress(self._stop))
 
     async def cleanup(self) -> None:
         self._stop.set()
@@ -157,6 +170,8 @@ class BeamWorker(LLMEngine):
             self.transport = None
         if self.reporter is not None and self.engine is not None:
             self.reporter()
+        if self.engine is not None and hasattr(self.engine, "followers"):
+            self.engine.close()  # a TP/EP rank group: stop its other ranks
 
     async def is_quiescent(self):
         return self.prefill is None or not self.prefill.pinned
@@ -175,10 +190,15 @@ class BeamWorker(LLMEngine):
     async def health_check_payload(self):
         return build_health_check_payload(bos_token_id=self.engine.cfg.bos_token_id or 0)
 
+    async def register_prometheus(self, metrics) -> None:
+        from .metrics import register
+
+        register(metrics, self.reporter.snapshot)
+
     def _extra_status(self) -> dict:
         out = {"role": self.role, "worker_id": self.worker_id, "pid": os.getpid(),
-               "component": self.args.component, "in_flight": len(self._by_context),
-               "kv_events": dict(self.events.counts)}
+               "component": self.args.component, "in_flight": len(self._slots),
+               "ended": dict(self.ended), "kv_events": dict(self.events.counts)}
         if self.prefill is not None:
             out["pinned"] = len(self.prefill.pinned)
             out["handoff"] = dict(self.prefill.stats)
@@ -190,73 +210,123 @@ class BeamWorker(LLMEngine):
 
     # ------------------------------------------------------------------ requests
     async def abort(self, context) -> None:
-        rid = self._by_context.get(context.id())
-        if rid is not None and self.loop is not None:
-            self.loop.abort(rid)
+        slot = self._by_context.get(context.id())
+        if slot is not None and self.loop is not None:
+            self.loop.abort(slot.rid)
 
     async def generate(self, request, context):
         self._ids += 1
-        rid = f"{context.id()}-{self._ids}"
+        slot = RequestSlot(f"{context.id()}-{self._ids}", is_probe(request))
         prompt = [int(t) for t in request["token_ids"]]
-        max_seq_len = self.engine.options.max_seq_len
+        handle = self._incoming_handle(request)
         try:
-            sampling = sampling_params(request, max_seq_len, self.role)
-        except ValueError as exc:  # EngineError subclasses ValueError
-            raise InvalidArgument(f"request {context.id()}: {exc}") from None
-        if self.role != "prefill" and len(prompt) + sampling.max_tokens > max_seq_len:
-            raise InvalidArgument(
-                f"request {context.id()}: {len(prompt)} prompt tokens + max_tokens "
-                f"{sampling.max_tokens} exceed the context length {max_seq_len}")
-        add, cached = await self._admission(rid, prompt, sampling, request)
-        self._by_context[context.id()] = rid
-        pending = self.loop.submit(rid, add)
-        finished = exported = False
-        generated = 0
+            sampling = sampling_params(request, self.limits.max_seq_len, self.role)
+            check_admission(context.id(), len(prompt), sampling.max_tokens, self.role,
+                            self.limits)
+        except ValueError as exc:  # AdmissionError, EngineError: both subclass ValueError
+            self._count("rejected")
+            if handle is not None:  # the prefill worker holds this prompt's KV: free it now
+                await self.decode.decline(handle)
+            raise InvalidArgument(str(exc) if isinstance(exc, AdmissionError)
+                                  else f"request {context.id()}: {exc}") from None
+        self._by_context[context.id()] = self._slots[slot.rid] = slot
         try:
-            while not finished:
-                item = await pending.queue.get()
-                if isinstance(item, BaseException):
-                    raise _dynamo_error(item, context.id())
-                generated += len(item.new_token_ids)
-                if cached is not None:  # decode: the prefix cache hit happened on prefill
-                    item.num_cached_tokens = cached
-                chunk = output_chunk(item, generated)
-                finished = item.finished
-                if finished and item.finish_reason == "error":
-                    raise Unknown(f"request {context.id()}: engine error: {item.error}")
-                if (finished and self.prefill is not None and item.finish_reason != "abort"
-                        and not is_probe(request)):  # a health probe leaves nothing pinned
-                    chunk["disaggregated_params"] = self.prefill.export(rid)
-                    chunk["disaggregated_params"]["cached_tokens"] = item.num_cached_tokens
-                    exported = True
+            add, cached = await self._admission(slot, prompt, sampling, handle)
+            pending = self.loop.submit(slot.rid, add)
+            first_lp = (handle or {}).get("first_logprobs")  # decode: the prefill's token's
+            async for chunk in self._stream(slot, pending, context.id(), cached, first_lp):
                 yield chunk
+        except (asyncio.CancelledError, GeneratorExit):  # the stream was dropped
+            slot.how = "cancelled"
+            raise
         finally:
-            self._by_context.pop(context.id(), None)
-            if not finished:
-                self.loop.abort(rid)  # cancelled or failed mid-stream: free its KV now
-            elif self.prefill is not None and not exported and not is_probe(request):
-                self.engine.release(rid)  # finished but never handed over
+            self._end(context.id(), slot)
 
-    async def _admission(self, rid, prompt, sampling, request):
+    async def _stream(self, slot, pending, request_id: str, cached, first_lp=None):
+        generated = 0
+        while not slot.finished:
+            item = await pending.queue.get()
+            if item is ABORTED:  # cancelled: its KV is already freed
+                slot.how = "cancelled"
+                return
+            if isinstance(item, BaseException):
+                raise _dynamo_error(item, request_id)
+            generated += len(item.new_token_ids)
+            if cached is not None:  # decode: the prefix cache hit happened on prefill
+                item.num_cached_tokens = cached
+            # A response parser hooks in here: `item` is the engine's output, `chunk` the wire.
+            chunk = output_chunk(item, generated)
+            if first_lp and chunk["token_ids"] and "log_probs" not in chunk:
+                chunk.update(first_lp)  # the first token was sampled (and scored) on prefill
+                first_lp = None
+            if item.finished and item.finish_reason == "error":
+                raise Unknown(f"request {request_id}: engine error: {item.error}")
+            slot.finished = item.finished
+            if (slot.finished and self.prefill is not None and item.finish_reason != "abort"
+                    and not slot.probe):  # a health probe leaves nothing pinned
+                chunk["disaggregated_params"] = self.prefill.export(slot.rid)
+                chunk["disaggregated_params"]["cached_tokens"] = item.num_cached_tokens
+                chunk["disaggregated_params"]["first_logprobs"] = {
+                    k: chunk[k] for k in ("log_probs", "top_logprobs") if k in chunk}
+                slot.exported = True
+            yield chunk
+
+    def _end(self, context_id: str, slot: "RequestSlot") -> None:
+        """The one cleanup of every request, however it ended (finished, cancelled by the
+        client or the frontend, failed, or its stream dropped): nothing of it stays."""
+        self._slots.pop(slot.rid, None)
+        if self._by_context.get(context_id) is slot:
+            del self._by_context[context_id]
+        if not slot.finished:
+            if self.loop is not None:
+                self.loop.abort(slot.rid)  # frees running / waiting / pinned / reserved KV
+            how = slot.how or "failed"
+        else:
+            if self.prefill is not None and not slot.exported and not slot.probe:
+                self.engine.release(slot.rid)  # finished but never handed over
+            how = "finished"
+        self._count(how)
+
+    def _count(self, how: str) -> None:
+        self.ended[how] = self.ended.get(how, 0) + 1
+
+    def _incoming_handle(self, request) -> dict | None:
+        """Decode role: the prefill worker's KV handle this request carries, if any."""
+        if self.role != "decode" or is_probe(request):
+            return None
+        return ((request.get("prefill_result") or {}).get("disaggregated_params")) or None
+
+    async def _admission(self, slot, prompt, sampling, handle):
         """The engine call that queues this request (run later in the step thread), and the
         prompt tokens the prefill worker's cache served (decode role), else None."""
-        engine = self.engine
-        if self.role == "prefill" and not is_probe(request):
+        engine, rid = self.engine, slot.rid
+        if self.role == "prefill" and not slot.probe:
             return lambda: engine.add_request(rid, prompt, sampling, prefill_only=True), None
-        if self.role == "decode" and not is_probe(request):
+        if self.role == "decode" and handle is not None:
             try:
-                params = require_prefill_result(request, DisaggregationMode.DECODE)
-                handle = params.get("disaggregated_params") or {}
                 reserved = await self.decode.pull(rid, prompt, handle)
             except (KvTransferError, KeyError, TypeError, ValueError) as exc:
                 if self.args.on_transfer_failure != "recompute":
-                    raise Unknown(f"request {rid}: KV handoff from the prefill worker failed: "
-                                  f"{exc}") from None
+                    # 503: the prefill worker went away (or its handle expired); a retry is
+                    # prefilled again on a live one
+                    raise WorkerUnavailable(f"request {rid}: KV handoff from the prefill worker "
+                                            f"failed: {exc}; retry the request") from None
                 log.warning("request %s: KV handoff failed (%s); recomputing the prompt", rid, exc)
             else:
                 return (lambda: engine.add_request(rid, prompt, sampling, kv_reserved=reserved),
                         int(handle.get("cached_tokens") or 0))
         return lambda: engine.add_request(rid, prompt, sampling), None
+
+
+@dataclass
+class RequestSlot:
+    """One request inside generate(): what its cleanup must undo."""
+
+    rid: str
+    probe: bool
+    finished: bool = False
+    exported: bool = False  # prefill: its KV was handed to a decode worker
+    how: str | None = None  # how it ended, when not finished
 
 
 def _dynamo_error(exc: BaseException, request_id: str) -> Exception:

@@ -93,3 +93,29 @@ def test_registered_instances_are_counted_per_component(tmp_path):
     (inst / "beam%2Fprefill%2Fgenerate%2F9").write_text("{}")  # URL-encoded spelling
     assert count_instances(tmp_path, "beam") == {"prefill": 3, "decode": 1}
     assert count_instances(tmp_path, "other") == {}
+
+
+def test_decode_workers_get_no_offload_tier(tmp_path):
+    """Their KV arrives by transfer and they never look a prefix up: a tier would only fill."""
+    off = load_graph(GRAPHS / "disagg_offload.yaml", engine_dir="/x/engine")
+    decode = next(w for w in off.workers if w.role == "decode")
+    assert not any(a.startswith("--offload") for a in worker_argv(off, decode, tmp_path, 0))
+
+
+def test_max_isl_is_checked_against_the_engine_before_anything_starts(tmp_path):
+    import json
+
+    from dynamo_graphs.launch import check_engine_limits
+
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "engine.json").write_text(json.dumps({"options": {"max_seq_len": 512}}))
+    raw = {**BASE, "engine_dir": "engine", "workers": [{"role": "prefill"}, {"role": "decode"}]}
+    path = tmp_path / "g.yaml"
+    for isl, ok in ((511, True), (512, False), (4096, False)):
+        path.write_text(yaml.safe_dump({**raw, "disaggregation": {"max_isl": isl}}))
+        if ok:
+            assert check_engine_limits(load_graph(path)) == 512
+        else:
+            with pytest.raises(GraphError, match=f"max_isl is {isl}, but the engine .* "
+                                                 "max_seq_len 512"):
+                check_engine_limits(load_graph(path))

@@ -71,10 +71,10 @@ def test_tokenizer_and_chat_template(tiny_dir):
     text = "def add(a, b):\n    return a + b  # ünïcode ✓"
     assert tok.decode(tok.encode(text)) == text
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.token_id("<|im_end|>") in cfg["eos_token_id"]
+    assert prompt == "<|start|>user<|message|>hi<|end|><|start|>assistant"
+    assert tok.token_id("<|return|>") in cfg["eos_token_id"]
     tc = json.loads((tiny_dir / "tokenizer_config.json").read_text())
-    assert tc["eos_token"] == "<|im_end|>" and "chat_template" in tc
+    assert tc["eos_token"] == "<|return|>" and "chat_template" in tc
 
 
 def _copy(src, dst):
@@ -201,7 +201,7 @@ def test_generate_cli_streams_text(tiny_dir):
     assert out.output.startswith("def add(a, b):") and len(out.output) > len("def add(a, b):") + 5
     chat = CliRunner().invoke(main, ["generate", str(tiny_dir), "--chat", "--prompt", "hello",
                                      "--max-new-tokens", "4", "--temperature", "0.7", "--seed", "1"])
-    assert chat.exit_code == 0 and "<|im_start|>assistant" in chat.output
+    assert chat.exit_code == 0 and "<|start|>assistant" in chat.output
 
 
 def test_generate_cli_runs_a_transformers_checkpoint(hf_checkpoints):

@@ -1,5 +1,6 @@
-"""What happens after a forward: commit the chunks, sample, apply stop conditions, emit
-`RequestOutput`s (the part of `Engine` between the model and the caller)."""
+"""What happens after a forward: commit the chunks, sample (grammar masks filled for the
+constrained rows), apply stop conditions, emit `RequestOutput`s (the part of `Engine` between
+the model and the caller)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ class OutputMixin:
         if not sampled:
             return []
         params = [r.sampling for r in sampled]
+        histories = ([(r.prompt_ids, r.output_ids) for r in sampled]
+                     if any(p.shapes_logits for p in params) else None)
+        bitmask, rows = self._grammar_masks(sampled, logits.shape[-1])
         tokens, logprobs = sample(logits, params, [len(r.output_ids) for r in sampled],
-                                  self.generator)
+                                  self.generator, histories, bitmask, rows)
         outputs = []
         for req, token, lp in zip(sampled, tokens, logprobs):
             req.output_ids.append(token)
@@ -41,7 +45,48 @@ class OutputMixin:
             outputs.append(self._token_output(req, token, lp))
         return outputs
 
+    # ------------------------------------------------------------------ grammars
+    def _grammar_compiler(self):
+        compiler = getattr(self, "_grammars", None)
+        if compiler is None:
+            from ..chat.grammar import GrammarCompiler
+
+            if self.tokenizer is None:
+                raise EngineError("structured output needs the engine's tokenizer")
+            # the turn grammar ends on its own closers; only these end a finished grammar
+            compiler = self._grammars = GrammarCompiler(
+                self.tokenizer.vocab, self.cfg.vocab_size, sorted(self.eos_token_ids))
+        return compiler
+
+    def _matcher(self, req: Request):
+        if req.grammar is None and req.sampling.structural_tag:
+            req.grammar = self._grammar_compiler().matcher(req.sampling.structural_tag)
+        return req.grammar
+
+    def _grammar_masks(self, reqs: list[Request], vocab: int):
+        rows = [b for b, r in enumerate(reqs) if r.sampling.structural_tag]
+        if not rows:
+            return None, []
+        import xgrammar as xgr
+
+        matchers = [self._matcher(reqs[b]) for b in rows]
+        bitmask = xgr.allocate_token_bitmask(len(reqs), vocab)
+        if len(rows) > 1:
+            batch = getattr(self, "_batch_matcher", None) or xgr.BatchGrammarMatcher()
+            self._batch_matcher = batch
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        else:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        return bitmask, rows
+
     def _token_output(self, req: Request, token: int, lp) -> RequestOutput:
+        matcher = self._matcher(req)
+        if matcher is not None and not matcher.accept_token(token):
+            self._finish(req, "error", emit=False)
+            return RequestOutput(req.request_id, [], finished=True, finish_reason="error",
+                                 error=f"request {req.request_id!r}: token {token} is outside "
+                                       "the request's grammar",
+                                 num_prompt_tokens=len(req.prompt_ids))
         text = req.detok.add([token]) if req.detok is not None else ""
         out = RequestOutput(req.request_id, [token], text=text,
                             logprobs=[lp] if lp is not None else None,

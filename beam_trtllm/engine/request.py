@@ -36,6 +36,7 @@ class Request:
     pending_first: int | None = None  # decode side of a handoff: the token to emit first
     finish_reason: str | None = None
     detok: object | None = None
+    grammar: object | None = None     # xgrammar GrammarMatcher of a constrained request
     num_preemptions: int = 0
 
     @property

@@ -21,9 +21,14 @@ class KVCapacityError(EngineError):
 class SamplingParams:
     """How one request samples and when it stops (the names vLLM and Dynamo use).
 
-    temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters. `seed` makes the
-    request's samples reproducible on its own, whatever else is in the batch. `logprobs` is the
-    number of top alternatives reported per token (0: only the chosen token's), None: none.
+    temperature 0 is greedy; top_k 0, top_p 1.0 and min_p 0 disable those filters. `seed` makes
+    the request's samples reproducible on its own, whatever else is in the batch. `logprobs` is
+    the number of top alternatives reported per token (0: only the chosen token's), None: none.
+    Penalties as vLLM and the OpenAI API define them: frequency/presence over the generated
+    tokens (subtracted from the logits), repetition over prompt and generated tokens (divides
+    a positive logit, multiplies a negative one). `logit_bias`: (token id, bias) pairs added to
+    the logits. `structural_tag`: an xgrammar structural tag (JSON) the output must match
+    (beam_trtllm/chat/grammar.py).
     """
 
     max_tokens: int = 16
@@ -35,9 +40,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -52,6 +65,23 @@ class SamplingParams:
             raise EngineError(f"SamplingParams.logprobs must be None or >= 0, got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise EngineError("SamplingParams.stop has an empty string")
+        if not 0 <= self.min_p <= 1:
+            raise EngineError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise EngineError(f"SamplingParams.{name} must be in [-2, 2], got "
+                                  f"{getattr(self, name)!r}")
+        if not self.repetition_penalty > 0:
+            raise EngineError(f"SamplingParams.repetition_penalty must be > 0, got "
+                              f"{self.repetition_penalty!r}")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise EngineError("SamplingParams.logit_bias values must be in [-100, 100]")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """True when the logits are changed before sampling (penalties, bias, grammar)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.structural_tag)
 
     @property
     def greedy(self) -> bool:

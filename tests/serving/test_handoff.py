@@ -135,7 +135,7 @@ def test_decode_worker_failure_policy(pair, engine_dir, policy):
     """`on_transfer_failure`: a clear error, or the decode worker computes the prompt."""
     from dynamo.llm.exceptions import DynamoException
 
-    from dynamo_graphs.worker import BeamWorker, parse_args
+    from dynamo_graphs.worker import BeamWorker, RequestSlot, parse_args
 
     pe, de, a, b = pair
     worker = BeamWorker(parse_args(["--engine-dir", str(engine_dir), "--role", "decode",
@@ -145,12 +145,13 @@ def test_decode_worker_failure_policy(pair, engine_dir, policy):
     handle = _prefill(pe, prefill, f"policy-{policy}")
     handle["bases"] = [x + (1 << 40) for x in handle["bases"]]
     request = {"token_ids": PROMPT, "prefill_result": {"disaggregated_params": handle}}
+    handle = worker._incoming_handle(request)
     sampling = SamplingParams(max_tokens=6)
     if policy == "error":
         with pytest.raises(DynamoException, match="KV handoff from the prefill worker failed"):
-            asyncio.run(worker._admission("p-1", PROMPT, sampling, request))
+            asyncio.run(worker._admission(RequestSlot("p-1", False), PROMPT, sampling, handle))
     else:
-        add, cached = asyncio.run(worker._admission("p-1", PROMPT, sampling, request))
+        add, cached = asyncio.run(worker._admission(RequestSlot("p-1", False), PROMPT, sampling, handle))
         assert cached is None
         add()
         tokens, _ = _run(de, "p-1")
@@ -164,15 +165,15 @@ def test_a_health_probe_on_a_prefill_worker_pins_nothing(pair, engine_dir):
     """Dynamo's canary probes bypass the prefill/decode split: no KV stays pinned."""
     from dynamo.common.backend.health_check import build_health_check_payload, is_probe
 
-    from dynamo_graphs.worker import BeamWorker, parse_args
+    from dynamo_graphs.worker import BeamWorker, RequestSlot, parse_args
 
     pe, de, a, b = pair
     worker = BeamWorker(parse_args(["--engine-dir", str(engine_dir), "--role", "prefill"]))
     worker.engine = pe
     probe = build_health_check_payload(bos_token_id=1)
     assert is_probe(probe)
-    add, cached = asyncio.run(worker._admission("probe-1", probe["token_ids"],
-                                                SamplingParams(max_tokens=1), probe))
+    add, cached = asyncio.run(worker._admission(RequestSlot("probe-1", True), probe["token_ids"],
+                                                SamplingParams(max_tokens=1), None))
     add()
     tokens, reason = _run(pe, "probe-1")
     assert len(tokens) == 1 and reason == "length"

@@ -29,14 +29,37 @@ def _graph_processes(run_dir: Path) -> list[int]:
     return pids
 
 
-def _serve(tmp_path, engine_dir):
-    graph = graph_from("agg.yaml", tmp_path, engine_dir)
+def _end(proc: subprocess.Popen) -> None:
+    """Stop a `beam-trt serve` whatever state the test left it in (its children die with it:
+    PR_SET_PDEATHSIG), so that a failed test leaves no graph running."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _start(tmp_path, engine_dir, **edits):
+    graph = graph_from("agg.yaml", tmp_path, engine_dir, **edits)
     run_dir = tmp_path / "run"
     proc = start_serve(str(graph.path), str(engine_dir), ["--run-dir", str(run_dir)])
     tail = deque(maxlen=200)
-    url = wait_url(proc, tail, 300, show=False)
-    assert url is not None, "\n".join(tail)
-    assert len(_graph_processes(run_dir)) == 2  # frontend + one worker
+    try:
+        url = wait_url(proc, tail, 300, show=False)
+        assert url is not None, "\n".join(tail)
+    except BaseException:
+        _end(proc)
+        raise
+    return proc, run_dir, url, tail
+
+
+def _serve(tmp_path, engine_dir):
+    proc, run_dir, url, tail = _start(tmp_path, engine_dir)
+    if len(_graph_processes(run_dir)) != 2:  # frontend + one worker
+        _end(proc)
+        raise AssertionError(f"expected 2 graph processes: {_graph_processes(run_dir)}")
     return proc, run_dir, url, tail
 
 
@@ -79,23 +102,64 @@ def test_a_killed_launcher_takes_its_graph_with_it(tmp_path, engine_dir):
     assert _graph_processes(run_dir) == []
 
 
-def test_serve_stops_the_graph_when_a_component_dies(tmp_path, engine_dir):
+def test_serve_restarts_a_dead_worker_and_keeps_serving(tmp_path, engine_dir):
     proc, run_dir, url, tail = _serve(tmp_path, engine_dir)
     import json
 
-    worker_pid = json.loads((run_dir / "status" / "backend-0.json").read_text())["pid"]
-    os.kill(worker_pid, signal.SIGKILL)
     try:
-        code = proc.wait(timeout=60)
+        worker_pid = json.loads((run_dir / "status" / "backend-0.json").read_text())["pid"]
+        os.kill(worker_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not any("backend-0 is back" in l for l in tail):
+            time.sleep(0.2)
+        assert any("worker backend-0 exited with code -9; restart 1/3 in 1.0 s" in line
+                   for line in tail), list(tail)
+        assert any("worker backend-0 is back after" in line for line in tail), list(tail)
+        assert chat(url, "hello again", 4)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    assert code == 0 and _graph_processes(run_dir) == []
+
+
+@pytest.mark.parametrize("victim", ["frontend", "worker-out-of-restarts"])
+def test_serve_stops_the_graph_when_it_cannot_go_on(tmp_path, engine_dir, victim):
+    """The frontend is not restarted; a worker past restarts.max is not either: the graph says
+    which and why, exits 1 within a bound, and leaves no process behind."""
+    proc, run_dir, url, tail = _start(tmp_path, engine_dir, **{"restarts.max": 0})
+    try:
+        import json
+
+        name = "frontend" if victim == "frontend" else "backend-0"
+        port = url.split(":")[-1].split("/")[0].encode()
+        pid = (_frontend_pid(port) if name == "frontend"
+               else json.loads((run_dir / "status" / "backend-0.json").read_text())["pid"])
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        code = proc.wait(timeout=30)
+        stopped_s = time.monotonic() - t_kill
+    finally:
+        _end(proc)
     deadline = time.monotonic() + 10
     while _graph_processes(run_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert code == 1
-    assert any("component backend-0 exited with code -9" in line for line in tail), list(tail)
+    why = "the frontend is not restarted" if name == "frontend" else "restarts.max 0"
+    assert code == 1 and stopped_s < 15, (code, stopped_s)
+    assert any(f"component {name} exited with code -9" in line and why in line
+               for line in tail), list(tail)
     assert _graph_processes(run_dir) == []
+
+
+def _frontend_pid(port: bytes) -> int:
+    """The `python -m beam_trtllm.chat.frontend --http-port PORT` process of this graph."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"beam_trtllm.chat.frontend" in argv and port in argv:
+            return int(entry.name)
+    raise AssertionError(f"no frontend process on port {port!r}")
 
 
 def test_shipped_graphs_point_at_the_demo_engine():
