@@ -15,7 +15,25 @@ from pathlib import Path
 import torch
 
 from beam_trtllm import quant_formats as qf
-from convert_bench import EXPERT, int_weight
+
+
+EXPERT = (2560, 5120)  # gate/up [moe_intermediate, hidden]; down is its transpose
+
+
+def int_weight(shape, seed: int, device="cpu") -> torch.Tensor:
+    """Deterministic BF16 weights from integer hashing only (identical on any machine/torch):
+    magnitudes 2^-9..2^-3 with random mantissas and signs, like trained weights of std ~0.02."""
+    n = shape[0] * shape[1]
+    i = torch.arange(n, dtype=torch.int64, device=device) + seed * 0x9E3779B1
+    h = (i * 2654435761 + 0x6A09E667) & 0xFFFFFFFF
+    h = (h ^ (h >> 15)) * 2246822519 & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    sign = (h & 1) << 15
+    exponent = 118 + (h >> 1) % 7  # 2^-9 .. 2^-3
+    mantissa = (h >> 4) & 0x7F
+    bits = (sign | (exponent << 7) | mantissa).to(torch.int32)
+    bits = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)
+    return bits.view(torch.bfloat16).reshape(shape)
 
 
 def _sha(*tensors) -> str:

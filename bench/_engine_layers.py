@@ -200,7 +200,7 @@ def chain_ab(engine, step_chunks, device, variants: str, rounds: int,
     """The per-layer chained decode times under each decode-chain variant (plugins/_pdl.py:
     "off", "default", "all", or links, folds and late triggers joined by ",", "default" among
     them standing for the default links; variants separated by ";"),
-    alternating, `rounds` times each (same process, same weights: an A/B within one lease).
+    alternating, `rounds` times each (same process, same weights: an A/B on one machine start).
     A variant may end in "|KEY=VALUE/KEY=VALUE": integer overrides of the decode attention's
     DECODE_CONFIG (plugins/_attention_decode.py) for that variant, batch-1 moe_fp8 shapes
     (moe13, moe2) or linear_fp8's few-token tiles (split, wide: "BM,BN,BK,WARPS,STAGES"). In the first round each

@@ -14,8 +14,13 @@ identity of the GPU results with the CPU path on the same matrices (integer-gene
 so both machines build the same bytes), plus the sha256 of the CPU results for comparison with
 the numba path on the CPU box.
 
-    python bench/convert_bench.py [--tmp /tmp] [--layers 2]
-    PYTHONPATH=. python3 bench/convert_bench.py --device cuda
+    python bench/convert_bench.py [--tmp /tmp] [--layers 2]       # CPU box: about 3.5 minutes
+    PYTHONPATH=. python3 bench/convert_bench.py --device cuda      # GPU: about 1 minute
+    python bench/convert_bench.py --smoke                          # CPU, a narrow model
+
+Ceilings: ModelOpt's own quantizers, decoders and calibration on the same tensors in the same
+run (the converter's targets: fp8-block >= 400 MB/s end to end, verify --against >= 300 MB/s
+on the 2-core CPU box). Results: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -38,32 +43,18 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from beam_trtllm import quant_formats as qf  # noqa: E402
 from beam_trtllm.config import BeamConfig  # noqa: E402
 
-EXPERT = (2560, 5120)  # gate/up [moe_intermediate, hidden]; down is its transpose
 MB = 1e6
 
 
-def bench_config(layers: int) -> BeamConfig:
-    """Beam-1.0 shapes for every Linear, 16 experts a layer, a small vocabulary."""
+def bench_config(layers: int, smoke: bool = False) -> BeamConfig:
+    """Beam-1.0 shapes for every Linear, 16 experts a layer, a small vocabulary (--smoke: a
+    narrow model of the same structure)."""
+    narrow = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64) if smoke else {}
     return BeamConfig(vocab_size=512, num_hidden_layers=layers, num_experts=16, n_group=8,
                       topk_group=4, num_experts_per_tok=8,
                       layer_types=tuple(["sliding_attention"] * layers),
-                      mlp_layer_types=tuple(["sparse"] * layers))
-
-
-def int_weight(shape, seed: int, device="cpu") -> torch.Tensor:
-    """Deterministic BF16 weights from integer hashing only (identical on any machine/torch):
-    magnitudes 2^-9..2^-3 with random mantissas and signs, like trained weights of std ~0.02."""
-    n = shape[0] * shape[1]
-    i = torch.arange(n, dtype=torch.int64, device=device) + seed * 0x9E3779B1
-    h = (i * 2654435761 + 0x6A09E667) & 0xFFFFFFFF
-    h = (h ^ (h >> 15)) * 2246822519 & 0xFFFFFFFF
-    h = h ^ (h >> 13)
-    sign = (h & 1) << 15
-    exponent = 118 + (h >> 1) % 7  # 2^-9 .. 2^-3
-    mantissa = (h >> 4) & 0x7F
-    bits = (sign | (exponent << 7) | mantissa).to(torch.int32)
-    bits = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)
-    return bits.view(torch.bfloat16).reshape(shape)
+                      mlp_layer_types=tuple(["sparse"] * layers), **narrow)
 
 
 # ---------------------------------------------------------------------------- CPU: checkpoints
@@ -250,7 +241,7 @@ def _router_inputs(cfg, ids: torch.Tensor) -> torch.Tensor:
         return norms[2](h).view(-1, cfg.hidden_size)
 
 
-def router_coverage(calib_ids: torch.Tensor, tune_ids: torch.Tensor) -> dict:
+def router_coverage(calib_ids: torch.Tensor, tune_ids: torch.Tensor, smoke: bool = False) -> dict:
     """Tokens per expert that a full-size Beam router (256 experts, top-8, 8 groups / top-4;
     transformers' BeamTopKRouter, weight N(0, 0.02)) gives the calibration tokens: as drawn,
     and with its e_score_correction_bias fitted on other text (`tune_ids`, held-out documents)
@@ -260,7 +251,7 @@ def router_coverage(calib_ids: torch.Tensor, tune_ids: torch.Tensor) -> dict:
     from beam_trtllm.config import preset
     from beam_trtllm.hf_model import hf_config
 
-    cfg = hf_config(preset("beam-1.0-501b"), attn_implementation="sdpa")
+    cfg = hf_config(preset("tiny" if smoke else "beam-1.0-501b"), attn_implementation="sdpa")
     cfg.vocab_size = int(max(calib_ids.max(), tune_ids.max())) + 1
     x, tune = _router_inputs(cfg, calib_ids), _router_inputs(cfg, tune_ids)
     router = BeamTopKRouter(cfg)
@@ -284,6 +275,7 @@ def cpu_main(args) -> None:
     from convert.calib_data import (DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, heldout_tokens,
                                     load_calib_tokens)
 
+    samples, seq_len, heldout = (2, 16, 2) if args.smoke else (DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, 16)
     torch.set_num_threads(2)
     rows, summary = [], {}
     root = Path(tempfile.mkdtemp(prefix="beam-convert-bench-", dir=args.tmp))
@@ -291,7 +283,7 @@ def cpu_main(args) -> None:
         layers = args.layers
         src = root / "in"
         t = time.perf_counter()
-        total = write_checkpoint(bench_config(layers), src)
+        total = write_checkpoint(bench_config(layers, args.smoke), src)
         print(f"wrote {total / 1e9:.2f} GB synthetic checkpoint ({layers} layers) in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
         for recipe in args.recipes:
@@ -304,14 +296,14 @@ def cpu_main(args) -> None:
                              run_child(CHILD, "verify", src, out)))
                 print(rows[-1], flush=True)
             shutil.rmtree(out)
-        rates, mb = modelopt_rates(src)
+        rates, mb = modelopt_rates(src, count=1 if args.smoke else 4)
         torch.set_num_threads(2)
         for which in ("beam-trt", "ModelOpt"):
-            r = run_child(CALIB_CHILD, which, src, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN)
+            r = run_child(CALIB_CHILD, which, src, samples, seq_len)
             summary[f"calibration {which}"] = r
             print(which, r, flush=True)
-        counts = router_coverage(load_calib_tokens(src, None, DEFAULT_SAMPLES, DEFAULT_SEQ_LEN).ids,
-                                 heldout_tokens(src, 16, DEFAULT_SEQ_LEN))
+        counts = router_coverage(load_calib_tokens(src, None, samples, seq_len).ids,
+                                 heldout_tokens(src, heldout, seq_len), args.smoke)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_tables(rows, rates, mb, summary, counts, layers)
@@ -349,19 +341,25 @@ def print_tables(rows, rates, mb, summary, counts, layers) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--tmp", default="/tmp")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--recipes", nargs="+", default=["fp8-block", "fp8", "nvfp4"])
     ap.add_argument("--hashes", action="store_true", help="print the CPU-path hashes and exit")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU path on a narrow 1-layer model and 2 x 16 calibration tokens")
     args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.device = 1, "cpu"
     if args.hashes:
-        from convert_bench_cuda import hashes_here
+        from _convert_cuda import hashes_here
 
         hashes_here()
     elif args.device == "cuda":
-        from convert_bench_cuda import cuda_main
+        from _convert_cuda import cuda_main
 
         cuda_main(args)
     else:

@@ -1,9 +1,14 @@
-"""Launch-shape sweeps for the small kernels of a batch-1 decode step (H200), and an
-experimental chunked add_rmsnorm for the 16K-token prefill boundary.
+"""Launch-shape sweeps for the small kernels of a batch-1 decode step (H200), and a chunked
+add_rmsnorm for the 16K-token prefill boundary (kept as the alternative the shipped kernel
+was measured against).
 
     PYTHONPATH=. python3 bench/decode_sweep.py
-        [--only attn,linear,linear_nvfp4,linear_split[3|4],norm1,norm16k]
-        [--out DIR]
+        [--only attn,linear,linear_nvfp4,linear_split[3|4],norm1,norm16k] [--out DIR]
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/decode_sweep.py --smoke   # CPU, two configs a grid
+
+Every rate is printed as a share of its ceiling, the copy bandwidth measured in the same run
+(the kernels here are bound by their reads). About 1-2 minutes a sweep on an H200; the defaults they chose
+are in plugins/_tiles.py, plugins/linear_fp8.py, plugins/rmsnorm.py, plugins/_attention_decode.py.
 
 - attn: decode attention at batch 1 on a sliding layer's 512-slot ring and on a full layer's
   paged cache at 2K context (the engine bench's layers), over key tile, split length and
@@ -37,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "plugins"))
 
+import _common as bc  # noqa: E402
 import kernels as kb  # noqa: E402
 from _linear_testdata import linear_args  # noqa: E402
 import kernels_sweep  # noqa: E402
@@ -47,16 +53,15 @@ from plugins._moe_common import GemmConfig  # noqa: E402
 from plugins.linear_fp8 import linear_fp8_triton  # noqa: E402
 from plugins.linear_nvfp4 import linear_nvfp4_triton  # noqa: E402
 
-DEV, BF16, FP8 = "cuda", torch.bfloat16, torch.float8_e4m3fn
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 SKIPPED = (AssertionError, triton.runtime.errors.OutOfResources,
            triton.compiler.errors.CompilationError)
-GRID_LIMIT = None  # --smoke: the first two configurations of each grid
 
 
 def run_grid(name, grid, timed, work, unit, ceiling):
     """kernels_sweep.run_grid, also skipping a configuration that does not compile or whose
-    output is wrong (`checked`), over the first GRID_LIMIT configurations."""
-    return kernels_sweep.run_grid(name, grid[:GRID_LIMIT], timed, work, unit, ceiling, SKIPPED)
+    output is wrong (`checked`)."""
+    return kernels_sweep.run_grid(name, grid, timed, work, unit, ceiling, SKIPPED)
 
 
 def checked(fn, want, exact=True):
@@ -84,7 +89,7 @@ def sweep_attn(cfg, ceil):
         def timed(conf, args=args, want=want):
             fn = lambda: _attention_decode.launch_decode(**args, config=conf)  # noqa: E731
             checked(fn, want, exact=False)  # another split sums in another order
-            return kb.time_graph_us(fn)
+            return bc.time_graph_us(fn)
         out |= run_grid(f"decode B=1 {name}", grid, timed, seen * hkv * d * 2 * 2, "GB/s",
                         ceil["copy_GBps"])
     return out
@@ -110,7 +115,7 @@ def sweep_linear(cfg, ceil, fmt="fp8", split=1):
         # enough weight copies that one graph of calls on all of them does not fit in L2
         # (60 MB), as in the engine, where the other layers' weights pass through L2 between
         nbytes = w.numel() * w.element_size()
-        copies = 1 if kb.SMOKE else max(2, -(-160_000_000 // nbytes))
+        copies = 1 if bc.smoke() else max(2, -(-160_000_000 // nbytes))
         ws_all = [w] + [w.clone() for _ in range(copies - 1)]
         want = op(x, w, *scales, *tail, **kw)
         grid = [dict(block_n=bn, block_k=bk, num_stages=st, num_warps=nw, block_m=16)
@@ -127,7 +132,7 @@ def sweep_linear(cfg, ceil, fmt="fp8", split=1):
             def calls():
                 for wc in ws_all:
                     op(x, wc, *scales, *tail, config=gc, **kw)
-            return kb.time_graph_us(calls, len(ws_all))
+            return bc.time_graph_us(calls, len(ws_all))
         out |= run_grid(f"linear_{fmt} M=1 {name} [{n}x{k}]", grid, timed, nbytes, "GB/s",
                         ceil["copy_GBps"])
     return out
@@ -137,17 +142,17 @@ def _linear_inputs(fmt, n, k):
     """(x, weight, *scales) of linear_<fmt> at M = 1 on the GPU: FP8 codes in and per-row
     weight scales (the engine's q/k/v and o_proj), or NVFP4 weights with BF16 x."""
     if fmt == "fp8":
-        return (torch.randn(1, k, device=DEV).to(FP8), torch.randn(n, k, device=DEV).to(FP8),
-                torch.rand(n, device=DEV) / 64, torch.tensor(0.01, device=DEV))
+        return (torch.randn(1, k, device=bc.dev()).to(FP8), torch.randn(n, k, device=bc.dev()).to(FP8),
+                torch.rand(n, device=bc.dev()) / 64, torch.tensor(0.01, device=bc.dev()))
     x = torch.randn(1, k).to(BF16)
-    return tuple(a.to(DEV) for a in linear_args("nvfp4", x, n=n, seed=0))
+    return tuple(a.to(bc.dev()) for a in linear_args("nvfp4", x, n=n, seed=0))
 
 
 def sweep_norm1(cfg, ceil):
     h, eps, out = cfg.hidden_size, cfg.rms_norm_eps, {}
-    hh, y = torch.randn(1, h, device=DEV, dtype=BF16), torch.randn(1, h, device=DEV, dtype=BF16)
-    w = 1 + 0.1 * torch.randn(h, device=DEV, dtype=BF16)
-    scale = torch.tensor(0.02, device=DEV)
+    hh, y = torch.randn(1, h, device=bc.dev(), dtype=BF16), torch.randn(1, h, device=bc.dev(), dtype=BF16)
+    w = 1 + 0.1 * torch.randn(h, device=bc.dev(), dtype=BF16)
+    scale = torch.tensor(0.02, device=bc.dev())
     fns = {"add_rmsnorm T=1": lambda: torch.ops.beam.add_rmsnorm(hh, y, w, w, 0.9, 0.4, eps),
            "add_rmsnorm_fp8 T=1": lambda: torch.ops.beam.add_rmsnorm_fp8(hh, y, w, w, scale,
                                                                         0.9, 0.4, eps)}
@@ -159,7 +164,7 @@ def sweep_norm1(cfg, ceil):
         def timed(conf, fn=fn, want=want, key=key):
             with patched(rmsnorm.ROW_CONFIG[key], **conf):
                 checked(fn, want)
-                return kb.time_graph_us(fn)
+                return bc.time_graph_us(fn)
         out |= run_grid(name, grid, timed, 4 * h * 2, "GB/s", ceil["copy_GBps"])
     return out
 
@@ -199,11 +204,11 @@ def _add_rmsnorm_chunked(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_ptr, T, 
 
 
 def sweep_norm16k(cfg, ceil):
-    t, h, eps = kb.SIZES["tokens"], cfg.hidden_size, cfg.rms_norm_eps
-    hh, y = torch.randn(t, h, device=DEV, dtype=BF16), torch.randn(t, h, device=DEV, dtype=BF16)
-    w = 1 + 0.1 * torch.randn(h, device=DEV, dtype=BF16)
+    t, h, eps = bc.SIZES["tokens"], cfg.hidden_size, cfg.rms_norm_eps
+    hh, y = torch.randn(t, h, device=bc.dev(), dtype=BF16), torch.randn(t, h, device=bc.dev(), dtype=BF16)
+    w = 1 + 0.1 * torch.randn(h, device=bc.dev(), dtype=BF16)
     want = torch.ops.beam.add_rmsnorm(hh, y, w, w, 0.9, 0.4, eps)
-    out = run_grid("add_rmsnorm 16K shipped", [{}], lambda conf: kb.time_us(
+    out = run_grid("add_rmsnorm 16K shipped", [{}], lambda conf: bc.time_us(
         lambda: torch.ops.beam.add_rmsnorm(hh, y, w, w, 0.9, 0.4, eps)), 4 * t * h * 2, "GB/s",
         ceil["copy_GBps"])
     grid = [dict(CHUNK=c, warps=nw, per_sm=p) for c in (512, 1024) if h % c == 0
@@ -211,7 +216,7 @@ def sweep_norm16k(cfg, ceil):
 
     def timed(conf):
         ho, xo = torch.empty_like(hh), torch.empty_like(hh)
-        grid_n = min(t, conf["per_sm"] * sm_count(torch.device(DEV)))
+        grid_n = min(t, conf["per_sm"] * sm_count(torch.device(bc.dev())))
 
         def fn():
             _add_rmsnorm_chunked[(grid_n,)](hh, y, w, w, ho, xo, t, h, 0.9, 0.4, eps,
@@ -222,26 +227,28 @@ def sweep_norm16k(cfg, ceil):
         if not all(torch.allclose(g.float(), r.float(), rtol=1.6e-2, atol=3e-2)
                    for g, r in ((ho, want[0]), (xo, want[1]))):
             raise AssertionError(f"chunked add_rmsnorm {conf} differs from beam::add_rmsnorm")
-        return kb.time_us(fn)
+        return bc.time_us(fn)
     return out | run_grid("add_rmsnorm 16K chunked", grid, timed, 4 * t * h * 2, "GB/s",
                           ceil["copy_GBps"])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="beam-1.0-501b")
     ap.add_argument("--only", default="attn,linear,norm1,norm16k")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--smoke", action="store_true",
                     help="tiny preset, two configurations per grid, CPU + TRITON_INTERPRET=1")
     args = ap.parse_args()
-    global DEV, GRID_LIMIT
+    bc.configure(args.smoke)
     if args.smoke:
-        kb.SMOKE, GRID_LIMIT, args.preset = True, 2, "tiny"
-        kb.SIZES.update(kb.SMOKE_SIZES)
-        DEV = kb.DEV = "cuda" if torch.cuda.is_available() else "cpu"
+        kernels_sweep.GRID["limit"], args.preset = 2, "tiny"
+    elif not torch.cuda.is_available():
+        sys.exit("bench/decode_sweep.py needs a CUDA GPU (or --smoke)")
     cfg = kb.preset(args.preset)
-    ceil = kb.measure_ceilings()
+    ceil = bc.measure_ceilings()
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
     sweeps = {"attn": sweep_attn, "linear": sweep_linear, "norm1": sweep_norm1,
               "norm16k": sweep_norm16k,

@@ -1,25 +1,30 @@
-"""Engine benchmark: a full-width Beam with 4 layers (0: dense sliding, 1-2: MoE sliding,
-3: MoE full), random weights made on the GPU in the engine's repacked layout, FP8 (W8A8) and
-NVFP4 (W4A16 on Hopper). Reports, per format:
+"""Engine benchmark: per-layer decode and prefill, and whole-model decode, of a full-width Beam.
 
-- per-layer batch-1 decode time (each layer's step captured in a CUDA graph, 2K context)
-  against its weight-read floor (bytes touched / measured copy bandwidth), both as one replay
-  of a one-layer graph (which also pays the graph launch) and per layer in a graph chaining the
-  layer 8 times (the launch paid once, as in the whole-model graph), with layer 1's kernels'
-  in-graph durations and the idle gaps between them;
+    PYTHONPATH=. python3 bench/engine_bench.py [--formats fp8,nvfp4] [--out DIR]
+    PYTHONPATH=. python3 bench/engine_bench.py --smoke          # CPU, reference ops, seconds
+
+The model (bench/_engine_model.py): Beam-1.0 at full width cut to 4 layers (0: dense sliding,
+1-2: MoE sliding, 3: MoE full), random weights made on the GPU in the engine's repacked layout,
+FP8 (W8A8) or NVFP4 (W4A16 on Hopper), attention projections FP8 in both, BF16 KV cache.
+Ceilings measured first in the same run: device copy bandwidth and cuBLAS BF16 / FP8 / FP32
+GEMM rates. Reported per format:
+- whole-model decode through `Engine.step()` (scheduler, CUDA graphs, sampler) at batch 1 and
+  64: ms per step and tokens/s (timed first, before any section that uses the profiler);
+- per-layer batch-1 decode at 2K context against the layer's weight-read floor (bytes touched
+  / copy bandwidth): one replay of a one-layer CUDA graph, and per layer in a graph chaining
+  the layer 8 times (the launch paid once, as in the whole-model graph); the kernels of
+  --timeline-layers inside that graph, with the idle gaps between them;
 - CUDA kernels launched per layer in one eager decode step (torch profiler);
-- 8 x 2K prefill time per layer (one chunk of 16K tokens) against its GEMM floor;
-- batch-1 and batch-64 decode through `Engine.step()` (whole model, CUDA graphs).
-
-    PYTHONPATH=. python bench/engine_bench.py [--formats fp8,nvfp4] [--smoke]
+- 8 x 2K prefill per layer (one chunk of 16K tokens) against its GEMM floor (FLOPs / the
+  measured FP8, BF16 and FP32 rates).
+About 2.5 minutes on an H200 for fp8,nvfp4 (weights are made on the device: ~40 GB for FP8);
+--peer adds ~2 minutes. Results: docs/BENCHMARKS.md.
 
 A/B options (GPU): --chain-ab times the layers under decode-chain / attention-config variants
 in one process (--chain-ab-batch for a batch above 1, --chain-ab-timelines to profile each;
 the profiler disturbs the times measured after it), --throughput-ab the batch-64 whole-model
-step under chain variants.
-
---smoke runs a narrow config on the CPU (reference ops) to check the script itself. The two
-ceilings are measured first (device copy, dense BF16 / FP8 GEMMs), as METHOD.md asks.
+step under chain variants. --ncu-layers runs a few eager decode steps of those layers for a
+kernel profiler and exits (docs/BENCHMARKS.md "How to run").
 """
 
 from __future__ import annotations
@@ -36,15 +41,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_bench_layers import (  # noqa: E402
-    REPEATS, chain_ab, chain_links, count_launches, cuda_time, decode_chunks, decode_layers,
-    graph_timeline, log,
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from _engine_layers import (  # noqa: E402
+    chain_ab, chain_layer, chain_links, count_launches, cuda_time, decode_chunks,
+    decode_inputs, decode_layers, graph_timeline, layer_input, log,
 )
-from engine_bench_model import (  # noqa: E402
+from _engine_model import (  # noqa: E402
     bench_config, decode_bytes, make_engine, prefill_flops,
 )
-from engine_bench_peer import peer_layer_ms  # noqa: E402
+from _engine_peer import peer_layer_ms  # noqa: E402
+from _engine_report import print_table  # noqa: E402
+from _common import environment  # noqa: E402
 
 from beam_trtllm.engine.batch import build_step  # noqa: E402
 from beam_trtllm.engine.types import SamplingParams  # noqa: E402
@@ -181,7 +188,8 @@ def bench_format(fmt: str, args, device, ceilings: dict) -> dict:
     log(f"{fmt}: weights made in {res['setup_s']:.1f} s, "
         f"{torch.cuda.memory_allocated() / 2**30 if device.type == 'cuda' else 0:.1f} GiB on the GPU")
     whole_model_decode(engine, args, device, res)  # first: before the profiler runs
-    pre = section(res, "prefill 8x2K", lambda: prefill(engine, seqs, seq_len, device, iters=2))
+    # the median of 5 passes: with 2, two layers of the same shape differed by 3% (2026-12-01)
+    pre = section(res, "prefill 8x2K", lambda: prefill(engine, seqs, seq_len, device, iters=5))
     if pre is None:
         return res
     chunks, prefill_ms, res["prefill_kernels_layer1"] = pre
@@ -218,7 +226,7 @@ def whole_model_decode(engine, args, device, res: dict) -> None:
     """Batch-1 and batch-64 decode through Engine.step() with CUDA graphs, and the
     --throughput-ab variants. Run before the per-layer sections, which use the torch
     profiler (timelines, launch counts): chained layer times measured after it spread by up
-    to 10% (docs/BENCHMARKS.md session 16)."""
+    to 10% (2026-11-30, docs/benchmarks-history.md "How the benchmarks measure")."""
     if device.type == "cuda":
         from beam_trtllm.engine.graphs import DecodeGraphs
 
@@ -255,73 +263,16 @@ def throughput_ab(engine, device, variants: str, rounds: int, batch: int = 64) -
     return out
 
 
-def print_peer(peer: dict, results: list[dict]) -> None:
-    if "error" in peer:
-        print(f"\npeer (torch.compile + CUDA graphs): FAILED {peer['error']}")
-        return
-    graph = "one graph" if peer.get("fullgraph") else "with graph breaks"
-    print(f"\npeer: transformers BF16, torch.compile({peer['compile_mode']}, {graph}) + CUDA graphs, "
-          f"static cache, {peer['experts']} experts, batch 1 at {peer['context']} context: "
-          f"whole 4-layer step {peer['step_4']:.3f} ms, 1-layer step {peer['step_1']:.3f} ms, "
-          f"{peer['per_moe_layer']:.4f} ms per MoE layer {peer['note']}")
-    for r in results:
-        moe = [l.get("decode_chained_ms") for l in r.get("layers", []) if "MoE" in l["kind"]]
-        if moe and all(moe):
-            mean = sum(moe) / len(moe)
-            print(f"  {r['format']} engine: {mean:.4f} ms per MoE layer (chained graph), "
-                  f"{peer['per_moe_layer'] / mean:.2f}x faster than the peer")
-
-
-def print_table(results: list[dict], ceilings: dict) -> None:
-    print(f"\nceilings: copy {ceilings['copy_GBps']:.0f} GB/s, BF16 {ceilings['bf16_TFLOPs']:.0f} "
-          f"TFLOP/s, FP8 {ceilings['fp8_TFLOPs']:.0f} TFLOP/s, FP32 {ceilings['fp32_TFLOPs']:.0f} TFLOP/s")
-    for r in results:
-        if "peer" in r:
-            print_peer(r["peer"], results)
-            continue
-        if "error" in r:
-            print(f"\n{r['format']}: FAILED {r['error']}")
-            continue
-        print(f"\n{r['format']} (setup {r.get('setup_s', 0):.0f} s; errors: {r.get('errors', 'none')})")
-        print(f"| layer | kind | decode b=1 ms | floor ms | x floor | in a graph of {REPEATS} ms "
-              "| x floor | kernels | sum of kernel times ms | prefill 8x2K ms | GEMM floor ms | x floor |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for l in r["layers"]:
-            for n in (l.get("kernel_names") or []) if l["layer"] == 1 else []:
-                print(f"    layer 1 kernel {n}")
-            dec = l["decode_ms"] or float("nan")
-            chained = l.get("decode_chained_ms") or float("nan")
-            print(f"| {l['layer']} | {l['kind']} | {dec:.4f} | {l['decode_floor_ms']:.4f} | "
-                  f"{dec / l['decode_floor_ms']:.2f} | {chained:.4f} | "
-                  f"{chained / l['decode_floor_ms']:.2f} | {l['kernels']} (+{l['memcpy_memset']}) | "
-                  f"{(l.get('kernel_us') or float('nan')) / 1e3:.4f} | "
-                  f"{l['prefill_ms']:.2f} | {l['prefill_floor_ms']:.2f} | "
-                  f"{l['prefill_ms'] / l['prefill_floor_ms']:.2f} |")
-        for i in sorted(int(k.removeprefix("timeline_layer")) for k in r
-                        if k.startswith("timeline_layer")):
-            for k in r[f"timeline_layer{i}"] or []:
-                print(f"    layer {i} in the chained graph: {k}")
-        for ab in r.get("chain_ab") or []:
-            for i, rows in (ab.get("timelines") or {}).items():
-                print(f"    {ab['chain']}: layer {i} ends after the previous kernel's end (us): "
-                      + ", ".join(f"{k['name'].removeprefix('_').split('_kernel')[0]} "
-                                  f"{k.get('after_prev_end_us', float('nan')):.1f}" for k in rows))
-        for d in r.get("throughput_ab") or []:
-            print(f"throughput A/B round {d['round']} {d['chain']}: batch {d['batch']} "
-                  f"{d['step_ms']:.3f} ms/step")
-        for name, ms in r.get("prefill_kernels_layer1") or []:
-            print(f"    layer 1 prefill kernel {ms:8.3f} ms  {name}")
-        for d in r.get("decode", []):
-            print(f"decode batch {d['batch']}: {d['step_ms']:.3f} ms/step, {d['tokens_per_s']:.0f} tok/s "
-                  f"({d['graph_steps']}/{d['steps']} steps in CUDA graphs)")
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="fp8,nvfp4",
                     help="fp8, nvfp4 (attention FP8 in both, as the shipped recipes), bf16 "
                          "(unquantized; the format of the --peer comparison)")
     ap.add_argument("--smoke", action="store_true", help="narrow config on the CPU")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write engine_bench.json here (default: $OUT if set)")
     ap.add_argument("--chain-ab", default="", metavar="VARIANTS",
                     help="also time the layers under these decode-chain variants, alternating "
                          "(e.g. 'off;default;all;linear'; links: plugins/_pdl.py LINKS, "
@@ -346,16 +297,33 @@ def main() -> None:
                     help="also time the torch.compile + CUDA-graph peer (transformers' model, "
                          "BF16, static cache, grouped-GEMM experts) per MoE layer at batch-1 "
                          "decode; compare with --formats bf16 (about 2 min on the H200)")
-    args = ap.parse_args()
+    ap.add_argument("--ncu-layers", default="", metavar="LAYERS",
+                    help="only run 3 eager FP8 decode steps of these layers (e.g. 1,3) after an "
+                         "8 x 2K prefill, for `ncu --kernel-name ...` to profile, and exit")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     from plugins import _pdl
 
     _pdl.set_decode_chain(chain_links(args.chain))
     torch.manual_seed(0)
+    if args.ncu_layers:
+        eager_layers_for_profiler(args, device)
+        return
     ceilings = measure_ceilings(device)
     log(f"ceilings: {ceilings}")
-    results = []
-    out = os.environ.get("OUT")
+    results, env = [], environment()
+    out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+
+    def save():
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+            Path(out, "engine_bench.json").write_text(json.dumps(
+                {"env": env, "ceilings": ceilings, "results": results, "device": env["machine"]},
+                indent=1))
     for fmt in args.formats.split(","):
         try:
             results.append(bench_format(fmt, args, device, ceilings))
@@ -365,18 +333,28 @@ def main() -> None:
         gc.collect()  # the format's engine (40 GB of FP8 weights) goes before the next one
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if out:
-            dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-            Path(out, "engine_bench.json").write_text(json.dumps(
-                {"ceilings": ceilings, "results": results, "device": dev}, indent=1))
+        save()
         print_table(results[-1:], ceilings)
     if args.peer:
-        peer = run_peer(args, device)
-        results.append({"format": "peer", "peer": peer})
-        if out:
-            Path(out, "engine_bench.json").write_text(json.dumps(
-                {"ceilings": ceilings, "results": results}, indent=1))
+        results.append({"format": "peer", "peer": run_peer(args, device)})
+        save()
     print_table(results, ceilings)
+
+
+def eager_layers_for_profiler(args, device) -> None:
+    """Eager batch-1 FP8 decode of --ncu-layers, three times each after an 8 x 2K prefill: the
+    launches a kernel profiler looks at (ncu --kernel-name regex:... --launch-count 6)."""
+    seqs, seq_len = (8, 2048) if not args.smoke else (2, 40)
+    engine = make_engine(bench_config(args.smoke), "fp8", device, max_num_tokens=seqs * seq_len)
+    chunks, _, _ = prefill(engine, seqs, seq_len, device, iters=1)
+    s, h = decode_inputs(engine, decode_chunks(engine, chunks), device)
+    with torch.inference_mode():
+        for i in (int(v) for v in args.ncu_layers.split(",")):
+            x, xq = layer_input(engine.model, i, h)
+            chain_layer(engine.model, i, h, x, xq, s, 3)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            log(f"layer {i}: 3 eager decode steps done")
 
 
 def run_peer(args, device) -> dict:

@@ -1,13 +1,17 @@
 """Token-level check of the engine on CUDA (Triton kernels, CUDA graphs) against the same engine
-dir run on the CPU (the ops' plain-torch references) and against the BF16 reference model.
+dir run eagerly and on the CPU (the ops' plain-torch references).
 
-The tiny Beam's random weights make near-ties common, so exact greedy equality over long
-generations is not expected from two different summation orders: the script prints, per
-engine dir, the share of prompts whose greedy continuation is identical, the first position
-where they part, and the largest difference of the chosen tokens' logprobs while they agree.
-
-    PYTHONPATH=. python3 bench/engine_gpu_check.py --ckpt DIR [DIR2 ...]
+    PYTHONPATH=. python3 bench/engine_gpu_check.py --ckpt DIR [DIR2 ...]   # e.g. init-tiny's
+    PYTHONPATH=. python3 bench/engine_gpu_check.py --smoke                 # CPU, seconds
     python bench/engine_gpu_check.py --make-fixed-route SRC DST   # see fixed_route_copy
+
+Not a speed benchmark: its ceiling is agreement. The tiny Beam's random weights make near-ties
+common, so exact greedy equality over long generations is not expected from two different
+summation orders: the script prints, per engine dir, the share of prompts whose greedy
+continuation is identical, the first position where they part, and the largest difference of
+the chosen tokens' logprobs while they agree. CUDA graphs against CUDA eager must be 100%
+identical. About 1 minute on an H200 for the tiny Beam; --smoke builds the tiny Beam and
+compares the CPU engine with itself (the script's paths, not the GPU).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,9 +54,11 @@ def compare(a: list[dict], b: list[dict]) -> tuple[float, list[int], float]:
     return same / len(a), first_diff, max_lp
 
 
-def check(ckpt: Path, work: Path, n_prompts: int, max_tokens: int) -> str:
+def check(ckpt: Path, work: Path, n_prompts: int, max_tokens: int, smoke: bool = False) -> str:
     dirs = {}
-    for target in ("sm90", "cpu"):  # same checkpoint, same repacking; the target gates loading
+    device = "cpu" if smoke else "cuda"
+    targets = ("cpu",) if smoke else ("sm90", "cpu")
+    for target in targets:  # same checkpoint, same repacking; the target gates loading
         dirs[target] = work / f"engine-{ckpt.name}-{target}"
         shutil.rmtree(dirs[target], ignore_errors=True)
         build_engine(ckpt, dirs[target], BuildOptions(target=target, max_batch=16,
@@ -59,10 +66,10 @@ def check(ckpt: Path, work: Path, n_prompts: int, max_tokens: int) -> str:
                                                       block_size=16))
     batch = prompts(n_prompts)
     t0 = time.perf_counter()
-    gpu = run(Engine.from_dir(dirs["sm90"], device="cuda"), batch, max_tokens)
+    first = dirs[targets[0]]
+    gpu = run(Engine.from_dir(first, device=device), batch, max_tokens)
     t_gpu = time.perf_counter() - t0
-    eager = run(Engine.from_dir(dirs["sm90"], device="cuda", use_cuda_graphs=False), batch,
-                max_tokens)
+    eager = run(Engine.from_dir(first, device=device, use_cuda_graphs=False), batch, max_tokens)
     cpu = run(Engine.from_dir(dirs["cpu"], device="cpu"), batch, max_tokens)
     rows = []
     for name, other in (("CUDA graphs vs CUDA eager", eager), ("CUDA vs CPU refs", cpu)):
@@ -94,24 +101,37 @@ def fixed_route_copy(src: Path, dst: Path, seed: int = 7) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", type=Path, nargs="+")
     ap.add_argument("--make-fixed-route", type=Path, nargs=2, metavar=("SRC", "DST"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/engine_gpu_check"))
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--smoke", action="store_true", help="the tiny Beam on the CPU only")
     args = ap.parse_args()
     if args.make_fixed_route:
         fixed_route_copy(*args.make_fixed_route)
         return
+    if args.smoke:
+        from beam_trtllm.tiny import init_tiny
+
+        args.work = Path(tempfile.mkdtemp(prefix="engine-gpu-check-"))
+        args.ckpt = [init_tiny(args.work / "tiny", seed=0)]
+        args.prompts, args.max_tokens = 2, 3
     if not args.ckpt:
         ap.error("--ckpt is required")
     args.work.mkdir(parents=True, exist_ok=True)
     print("| checkpoint | compared | prompts x tokens | greedy continuations | first divergence "
           "per prompt | max abs dlogprob while equal | CUDA wall |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for ckpt in args.ckpt:
-        print(check(ckpt, args.work, args.prompts, args.max_tokens), flush=True)
+    try:
+        for ckpt in args.ckpt:
+            print(check(ckpt, args.work, args.prompts, args.max_tokens, args.smoke), flush=True)
+    finally:
+        if args.smoke:
+            shutil.rmtree(args.work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """MoE and linear rows of the kernel benchmark at Beam-1.0 shapes (H=5120, I=2560, E=256, top-8).
 
-    PYTHONPATH=. python3 bench/kernels_moe.py [--preset beam-1.0-501b] [--out DIR]
-        [--sweep fp8:1,nvfp4:1,fp8:16384] [--formats fp8,nvfp4] [--no-eager] [--no-linear]
+    PYTHONPATH=. python3 bench/kernels_moe.py [--out DIR] [--formats fp8,nvfp4] [--tokens 1,16,16384]
+        [--sweep fp8:1,nvfp4:1,fp8:16384] [--no-eager] [--no-linear]
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/kernels_moe.py --smoke   # CPU, seconds
 
-bench/kernels.py imports `run(ctx)` and prints these rows in its table; run alone, this script
-measures the same ceilings with bench/kernels.py's `measure_ceilings` and prints the same table.
+bench/kernels.py adds these rows to its table through `run(ctx)`; run alone, this script
+measures the same ceilings (bench/_common.py) and prints the same table. About 2 minutes on an
+H200 for fp8 and nvfp4 without --no-eager; each --sweep case adds 1-2 minutes.
 
 Weights: every expert drawn at N(0, 1/fan_in) and quantized with the converter's encoders
 (beam_trtllm.quant_formats), repacked as docs/DESIGN.md §2. Routing: the reference group router
@@ -12,8 +14,10 @@ on random router weights and inputs (realistic spread over 256 experts in 8 grou
 - decode (T tokens <= 64): timed as CUDA-graph replays (how the engine runs decode). Work =
   bytes of the distinct selected experts' weights and scales; the floor is those bytes over
   the measured copy bandwidth. Target: FP8 <= 1.3x floor, NVFP4 <= 1.5x floor at T=1.
-- prefill (T = 16384): eager launches. Work = 2*T*k*3*H*I FLOPs against the FP8 GEMM rate (FP8
-  formats) or the BF16 one. Target: FP8 >= 60% of the FP8 GEMM rate.
+- prefill (T > 64, 16384 by default; mid-size chunks with --tokens 2048,4096): eager launches.
+  Work = 2*T*k*3*H*I FLOPs against the FP8 GEMM rate (FP8 formats) or the BF16 one. Target:
+  FP8 >= 60% of the FP8 GEMM rate.
+- --sweep FMT:T: launch shapes of both grouped GEMMs (gate/up, then down at gate/up's best).
 Each row also checks the output against the op's ref_ at that shape (relative error and the
 TOLERANCES entry of tests/conftest.py), and the graph rows check that a captured graph replays
 correctly on new routing (no host syncs, no data-dependent shapes).
@@ -22,7 +26,6 @@ correctly on new routing (no host syncs, no data-dependent shapes).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from collections import defaultdict
@@ -32,6 +35,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "plugins"), str(ROOT / "bench")]
+
+import _common  # noqa: E402
 
 import plugins  # noqa: E402,F401
 from _linear_testdata import linear_args  # noqa: E402
@@ -43,7 +48,7 @@ from plugins import linear_fp8, linear_fp8_block, linear_nvfp4  # noqa: E402
 from plugins import moe_bf16, moe_fp8, moe_fp8_block, moe_nvfp4  # noqa: E402
 from plugins._moe_common import GemmConfig  # noqa: E402
 
-DEV, BF16 = os.environ.get("BEAM_BENCH_DEVICE", "cuda"), torch.bfloat16
+BF16 = torch.bfloat16
 MOE = {"fp8": moe_fp8, "nvfp4": moe_nvfp4, "fp8_block": moe_fp8_block, "bf16": moe_bf16}
 LINEAR = {"fp8": linear_fp8, "fp8_block": linear_fp8_block, "nvfp4": linear_nvfp4}
 TARGET_X_FLOOR = {"fp8": 1.3, "nvfp4": 1.5}
@@ -53,12 +58,12 @@ H_AMAX = 8.0  # static down_proj input scale = H_AMAX / 448 (covers silu(g)*u of
 def experts(fmt: str, cfg, seed: int) -> dict:
     """All E experts of one MoE layer in `fmt`, quantized one expert at a time on the GPU."""
     e, h, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    gen = torch.Generator(device=DEV).manual_seed(seed)
+    gen = torch.Generator(device=_common.dev()).manual_seed(seed)
     parts = defaultdict(list)
     for _ in range(e):
-        gate = (torch.randn(1, inner, h, generator=gen, device=DEV) * h**-0.5).to(BF16)
-        up = (torch.randn(1, inner, h, generator=gen, device=DEV) * h**-0.5).to(BF16)
-        down = (torch.randn(1, h, inner, generator=gen, device=DEV) * inner**-0.5).to(BF16)
+        gate = (torch.randn(1, inner, h, generator=gen, device=_common.dev()) * h**-0.5).to(BF16)
+        up = (torch.randn(1, inner, h, generator=gen, device=_common.dev()) * h**-0.5).to(BF16)
+        down = (torch.randn(1, h, inner, generator=gen, device=_common.dev()) * inner**-0.5).to(BF16)
         for name, tensor in pack_experts(fmt, gate, up, down).items():
             parts[name].append(tensor[0])
     return {name: torch.stack(ts).contiguous() for name, ts in parts.items()}
@@ -71,11 +76,11 @@ def expert_bytes(packed: dict, ids: torch.Tensor) -> int:
 
 
 def routing(cfg, t: int, seed: int):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
+    gen = torch.Generator(device=_common.dev()).manual_seed(seed)
     h, e = cfg.hidden_size, cfg.num_experts
-    x = torch.randn(t, h, generator=gen, device=DEV).to(BF16)
-    weight = torch.randn(e, h, generator=gen, device=DEV) * h**-0.5
-    bias = torch.randn(e, generator=gen, device=DEV) * 0.1
+    x = torch.randn(t, h, generator=gen, device=_common.dev()).to(BF16)
+    weight = torch.randn(e, h, generator=gen, device=_common.dev()) * h**-0.5
+    bias = torch.randn(e, generator=gen, device=_common.dev()) * 0.1
     ids, w = route(x, weight, bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok)
     return x, ids.to(torch.int32), w
 
@@ -86,23 +91,6 @@ def check(ctx, fmt, got, want, what="moe") -> str:
     atol, rtol = TOLERANCES[(key, torch.bfloat16)]
     ok = torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol)
     return f"rel {ctx.rel_err(got, want):.1e} {'ok' if ok else 'OVER TOL'}"
-
-
-def fp8_prefill_case(tokens: int):
-    """(config, ceilings, moe_fp8 args, FLOPs) of the FP8 prefill probes: Beam-1.0 experts and
-    routing as the bench's prefill row, static scales from x's range and H_AMAX; prints the
-    ceilings measured for it."""
-    cfg = preset("beam-1.0-501b")
-    import kernels as kb  # the ceilings' module imports this one
-
-    ceil = kb.measure_ceilings()
-    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, FP8 {ceil['fp8_TFLOPs']:.0f} TFLOP/s")
-    packed = experts("fp8", cfg, seed=1)
-    x, ids, w = routing(cfg, tokens, seed=tokens)
-    scales = {"a13_scale": (x.abs().amax().float() / 448).reshape(()),
-              "a2_scale": torch.tensor(H_AMAX / 448, device=DEV)}
-    flops = 2 * tokens * ids.shape[1] * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    return cfg, ceil, moe_args("fp8", x, ids, w, packed, scales), flops
 
 
 def graph_replays_new_routing(cfg, fmt, packed, scales, t) -> str:
@@ -131,17 +119,18 @@ def bench_moe_format(ctx, fmt: str, tokens=(1, 16, 16384)) -> list[dict]:
     for t in tokens:
         x, ids, w = routing(cfg, t, seed=t)
         scales = {"a13_scale": (x.abs().amax().float() / 448).reshape(()),
-                  "a2_scale": torch.tensor(H_AMAX / 448, device=DEV)}
+                  "a2_scale": torch.tensor(H_AMAX / 448, device=_common.dev())}
         args = moe_args(fmt, x, ids, w, packed, scales)
         status = check(ctx, fmt, op(*args), ref(*args))
         eager = ctx.time_us(lambda: ref(*args)) if ctx.eager else 0.0
-        shape = f"T={t} H={cfg.hidden_size} I={cfg.moe_intermediate_size} E={cfg.num_experts} k=8"
+        shape = f"T={t} H={cfg.hidden_size} I={cfg.moe_intermediate_size} E={cfg.num_experts} k={cfg.num_experts_per_tok}"
         if t <= 64:
             ours = ctx.time_graph_us(lambda: op(*args))
             launches = ctx.time_us(lambda: op(*args))
             work = expert_bytes(packed, ids)
             floor = work / ceil["copy_GBps"] / 1e3
-            status += ", " + graph_replays_new_routing(cfg, fmt, packed, scales, t)
+            if _common.dev() == "cuda":
+                status += ", " + graph_replays_new_routing(cfg, fmt, packed, scales, t)
             note = f"graph replay; {ours / floor:.2f}x floor {floor:.1f} us; eager launches {launches:.1f} us"
             if t == 1 and fmt in TARGET_X_FLOOR:
                 note += f"; target <= {TARGET_X_FLOOR[fmt]}x"
@@ -150,17 +139,18 @@ def bench_moe_format(ctx, fmt: str, tokens=(1, 16, 16384)) -> list[dict]:
             results.append(dict(fmt=fmt, t=t, us=ours, floor_us=floor, x_floor=ours / floor))
         else:
             ours = ctx.time_us(lambda: op(*args))
-            flops = 2 * t * 8 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+            flops = 2 * t * ids.shape[1] * 3 * cfg.hidden_size * cfg.moe_intermediate_size
             key = "fp8_TFLOPs" if fmt.startswith("fp8") else "bf16_TFLOPs"
             note = f"vs {key[:-7].upper()} GEMM rate" + ("; target >= 60%" if fmt == "fp8" else "")
             ctx.add_row(f"moe_{fmt} prefill", shape, ours, eager, flops, "TFLOP/s", ceil[key],
                         status, note)
             results.append(dict(fmt=fmt, t=t, us=ours, pct=100 * flops / ours / 1e6 / ceil[key]))
-        if t in (1, 16384):
+        if t in (1, 16384) and _common.dev() == "cuda":
             print(f"  breakdown moe_{fmt} T={t} (us per call): "
                   f"{kernel_breakdown(fmt, args, reps=20 if t == 1 else 5)}", flush=True)
     del packed
-    torch.cuda.empty_cache()
+    if _common.dev() == "cuda":
+        torch.cuda.empty_cache()
     return results
 
 
@@ -186,14 +176,14 @@ def bench_linear(ctx, tokens=(1, 16384)) -> None:
     variants = [("fp8", {"use_scaled_mm": True}), ("fp8", {"use_scaled_mm": False}),
                 ("fp8_block", {}), ("nvfp4", {})]
     for t in tokens:
-        x = torch.randn(t, cfg.hidden_size, device=DEV).to(BF16)
+        x = torch.randn(t, cfg.hidden_size, device=_common.dev()).to(BF16)
         for fmt, extra in variants:
             mod = LINEAR[fmt]
             args = linear_args(fmt, x.cpu(), n, seed=0)
-            args = tuple(a.to(DEV) for a in args)
+            args = tuple(a.to(_common.dev()) for a in args)
             fast = getattr(mod, f"linear_{fmt}_triton")
             ref = getattr(mod, f"ref_linear_{fmt}")
-            what = "linear-fp8-mma" if fmt.startswith("fp8") and DEV == "cuda" else "linear"
+            what = "linear-fp8-mma" if fmt.startswith("fp8") and _common.dev() == "cuda" else "linear"
             # the reference on the CPU, as in the kernel tests (torch's own float -> FP8
             # quantization on the GPU was seen one code off: BENCHMARKS "FP8 GEMM precision")
             want = ref(*(a.cpu() for a in args))
@@ -219,7 +209,7 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
     packed = experts(fmt, cfg, seed=1)
     x, ids, w = routing(cfg, t, seed=t)
     scales = {"a13_scale": (x.abs().amax().float() / 448).reshape(()),
-              "a2_scale": torch.tensor(H_AMAX / 448, device=DEV)}
+              "a2_scale": torch.tensor(H_AMAX / 448, device=_common.dev())}
     args = moe_args(fmt, x, ids, w, packed, scales)
     launch = getattr(MOE[fmt], f"moe_{fmt}_triton")
     decode = t <= 64
@@ -240,6 +230,8 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
         down = [(128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (256, 128, 8, 3),
                 (128, 128, 8, 4), (128, 256, 8, 3), (128, 128, 4, 3)]
         default2 = (128, 128, 8, 3)
+    if _common.smoke():  # two shapes a GEMM: the code path, in the interpreter's time
+        grid13, down = grid13[:2], down[:2]
     found, best13 = [], None
     for stage in ("gate/up", "down"):
         pairs = ([(c, GemmConfig(c.block_m, *default2)) for c in grid13] if stage == "gate/up"
@@ -257,20 +249,22 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
         for us, c13, c2 in results[:4]:
             print(f"  sweep {fmt} T={t} {stage}: {us:8.1f} us  gate/up {c13}  down {c2}", flush=True)
         found += [(stage,) + r for r in results]
-    print(f"  breakdown {fmt} T={t} (us per call): {kernel_breakdown(fmt, args)}", flush=True)
+    if _common.dev() == "cuda":
+        print(f"  breakdown {fmt} T={t} (us per call): {kernel_breakdown(fmt, args)}", flush=True)
     return found
 
 
 def run(ctx, sweep_cases=()) -> dict:
     """Entry point for bench/kernels.py (ctx: cfg, ceilings, time_us, time_graph_us, add_row,
-    rel_err)."""
+    rel_err; optional eager, formats, tokens, linear)."""
     out = {"moe": [], "sweep": [], "failed": []}
-    if not hasattr(ctx, "eager"):  # bench/kernels.py's context: time the references too
-        ctx.eager = True
+    tokens = tuple(getattr(ctx, "tokens", None)
+                   or ((1, _common.SIZES["moe_prefill"]) if _common.smoke() else (1, 16, 16384)))
     formats = getattr(ctx, "formats", None) or list(MOE)
-    steps = [(f"moe_{fmt}", bench_moe_format, (fmt,)) for fmt in formats]
+    ctx.eager = getattr(ctx, "eager", True)
+    steps = [(f"moe_{fmt}", bench_moe_format, (fmt, tokens)) for fmt in formats]
     if getattr(ctx, "linear", True):
-        steps.append(("linear", bench_linear, ()))
+        steps.append(("linear", bench_linear, ((1, _common.SIZES["tokens"]),)))
     for case in sweep_cases:
         fmt, t = case.split(":")
         steps.append((f"sweep {fmt} T={t}", sweep, (fmt, int(t))))
@@ -286,7 +280,8 @@ def run(ctx, sweep_cases=()) -> dict:
             out["moe"] += result
         elif name.startswith("sweep") and result:
             out["sweep"] += [(name, s, us, str(a), str(b)) for s, us, a, b in result]
-        torch.cuda.empty_cache()
+        if _common.dev() == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -295,37 +290,45 @@ def main(argv=None) -> int:
     import time
     from types import SimpleNamespace
 
-    import kernels as kb  # bench/kernels.py: ceilings, timers, table
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="beam-1.0-501b")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default=None,
+                        help="model shapes (default beam-1.0-501b; tiny with --smoke)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--sweep", default="", help="launch-shape sweeps, e.g. fp8:1,nvfp4:1,fp8:16384")
     parser.add_argument("--formats", default="", help="comma list of moe formats (default all)")
+    parser.add_argument("--tokens", default="", help="token counts (default 1,16,16384)")
     parser.add_argument("--no-eager", action="store_true", help="skip timing the references")
     parser.add_argument("--no-linear", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny preset and sizes, no timing: every path once (CPU works)")
     opts = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/kernels_moe.py needs a CUDA GPU", file=sys.stderr)
+    _common.configure(opts.smoke)
+    if not opts.smoke and not torch.cuda.is_available():
+        print("bench/kernels_moe.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
-    t0 = time.time()
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | preset {opts.preset}",
+    name = opts.preset or ("tiny" if opts.smoke else "beam-1.0-501b")
+    t0, env = time.time(), _common.environment()
+    print(f"{env['machine']} | torch {torch.__version__} | preset {name} | commit {env['commit']}",
           flush=True)
-    ceil = kb.measure_ceilings()
+    ceil = _common.measure_ceilings()
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
-    ctx = SimpleNamespace(cfg=preset(opts.preset), ceilings=ceil, time_us=kb.time_us,
-                          time_graph_us=kb.time_graph_us, add_row=kb.add_row, rel_err=kb.rel_err,
-                          eager=not opts.no_eager, linear=not opts.no_linear,
-                          formats=[f for f in opts.formats.split(",") if f])
+    ctx = SimpleNamespace(cfg=preset(name), ceilings=ceil, time_us=_common.time_us,
+                          time_graph_us=_common.time_graph_us, add_row=_common.add_row,
+                          rel_err=_common.rel_err, eager=not opts.no_eager,
+                          linear=not opts.no_linear,
+                          formats=[f for f in opts.formats.split(",") if f],
+                          tokens=[int(t) for t in opts.tokens.split(",") if t])
     out = run(ctx, sweep_cases=[c for c in opts.sweep.split(",") if c])
-    print(kb.table(ceil) if hasattr(kb, "table") else kb.print_table(ceil))
+    print(_common.table(ceil))
     print(f"total {time.time() - t0:.0f} s")
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
         (opts.out / "moe_results.json").write_text(json.dumps(
-            dict(ceilings=ceil, rows=kb.ROWS, **out, device=torch.cuda.get_device_name()),
-            indent=1, default=str))
-    return 0
+            dict(env=env, preset=name, ceilings=ceil, rows=_common.ROWS, **out), indent=1,
+            default=str))
+    return 1 if out["failed"] else 0
 
 
 if __name__ == "__main__":

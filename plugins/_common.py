@@ -124,7 +124,7 @@ if triton_interpreted():
 # ----------------------------------------------------------------------------- triton side
 # Compiled for a GPU, Triton's FP32 -> BF16 conversion is cvt.rn (nearest even) already, so the
 # bit arithmetic of bf16_grid runs in the interpreter only. On the H200 it cost add_rmsnorm 12
-# points of copy bandwidth at [16384, 5120] (bench/norm_probe.py), and it turned the GPU's
+# points of copy bandwidth at [16384, 5120] (2026-11-29, commit 81c8a4e), and it turned the GPU's
 # canonical NaN (0x7FFFFFFF) into -0.0: the carry of the rounding add ran into the sign bit.
 INTERPRETED = tl.constexpr(triton_interpreted())
 
@@ -150,10 +150,10 @@ def div_rn_by(x, s):
     itself, is at least ~2^-49 away from any FP32 rounding midpoint (a 25-bit significand;
     x/s equal to one would need x = M·s, more than 24 bits), so both round alike. Subnormal
     quotients may differ by one ulp; the FP8 quantizers round those to ±0 either way.
-    bench/div_probe.py compares it with div.rn on the H200. Per element: two conversions and a
-    DMUL; div.rn.f32 is a range check and a branch to a slow path per element, which kept
-    add_rmsnorm_fp8's 8 quotients a thread from overlapping (4.7 µs at batch 1 against 2.7
-    without codes, H200)."""
+    On the H200, 16e9 random pairs matched div.rn (docs/benchmarks-history.md). Per element:
+    two conversions and a DMUL; div.rn.f32 is a range check and a branch to a slow path per
+    element, which kept add_rmsnorm_fp8's 8 quotients a thread from overlapping (4.7 µs at
+    batch 1 against 2.7 without codes, H200)."""
     s_inv = 1.0 / s.to(tl.float64)  # div.rn.f64
     return (x.to(tl.float64) * s_inv).to(tl.float32)
 

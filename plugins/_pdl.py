@@ -41,13 +41,13 @@ from .registry import triton_interpreted
 # the MoE's down GEMM (behind the boundary norm), the router's 128 from the o_proj (behind
 # the norm before the MoE), the attention's split from the q/k/v GEMM (behind qk_prep).
 # On by default for the norms and qk_prep.
-# The H200 A/Bs (bench/engine_bench.py --chain-ab, docs/BENCHMARKS.md sessions 13-15), on a
+# The H200 A/Bs (bench/engine_bench.py --chain-ab, 2026-11-30, docs/benchmarks-history.md), on a
 # sliding MoE layer: the GEMMs early 1.5-2 us faster, the norms nothing there (5 us on a
 # dense layer), the router and qk_prep with their preloads 3-3.5 us together; the attention's
 # kernels early 0.5-3 us slower while qk_prep let them launch at its start, 1.2 us faster
 # once it lets them launch after its wait; the norms' late trigger 2.0 us (2.5 on the full
 # layer); the linear GEMMs' late trigger nothing; the combine fold within +-1 us, the select
-# fold 0.5-1 us slower (both slower again in session 15).
+# fold 0.5-1 us slower (both slower again with the late triggers, commit 1d303b7).
 LINKS = ("norm", "linear", "qk_prep", "attention", "router")
 FOLDS = ("combine", "select")
 LATE = ("late_norm", "late_linear", "late_qk_prep")

@@ -363,7 +363,7 @@ def linear_config(m: int, dtype_bytes: float):
             # programs of a 64-row warpgroup tile (H200, weights out of L2, M = 1,
             # bench/decode_sweep.py: q/k/v [8192 x 5120] 20.1 -> 18.5 us, o_proj 23.3 -> 21.1)
             return GemmConfig(16, 16, 128, 1, 4, swap=True)
-        if dtype_bytes == 0.5:  # M = 64, [5120 -> 8240] (bench/nvfp4_probe.py --tokens 64):
+        if dtype_bytes == 0.5:  # M = 64, [5120 -> 8240] (H200, 2026-11-29, commit ea69c21):
             # 32 rows / 2 warps 45.2 us, 16 / 1 warp 55.9, 64 / 4 warps 51.9
             return GemmConfig(16, 32, 128, 2, 3, swap=True)
         return GemmConfig(16, 64, 128, 4, 4, swap=True)

@@ -161,8 +161,8 @@ def _add_rmsnorm_chunked_kernel(h_ptr, y_ptr, wpost_ptr, wpre_ptr, hout_ptr, x_p
 
 
 # Many rows (a prefill chunk) run the chunked kernel: 86.5% of copy bandwidth at [16384, 5120]
-# BF16 on the H200 where the whole-row persistent kernel reached 77.5% (bench/norm_probe.py,
-# 2026-11-29; 4 warps 84.2%, 512-wide chunks 77.4%). Few rows (decode) keep the whole-row tile:
+# BF16 on the H200 where the whole-row persistent kernel reached 77.5% (2026-11-29, commit
+# 81c8a4e; 4 warps 84.2%, 512-wide chunks 77.4%; docs/benchmarks-history.md). Few rows (decode) keep the whole-row tile:
 # its one pass of loads has less latency than three dependent ones.
 CHUNKED = dict(min_rows=1024, CHUNK=1024, num_warps=8)
 

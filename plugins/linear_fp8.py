@@ -191,8 +191,8 @@ def decode_split_k(m: int, n: int, k: int, sm_count: int) -> int:
     docstring): the most, up to MAX_DECODE_SPLITS, whose programs (the split tile's tiles times
     the splits) number at most two an SM, so that they run in one wave, with each split keeping
     >= 2048 channels; else 1. At M = 1 on the H200: o_proj [5120 x 6144] (80 tiles) takes 3,
-    8.9 us launched early against 9.5 with 2 (bench/preload_gemv_probe.py --shipped, session
-    13) and 12.6-13.4 unsplit (bench/decode_sweep.py --only linear_split); q/k/v [8192 x 5120]
+    8.9 us launched early against 9.5 with 2 (H200, 2026-11-30, commit 7dffcef) and 12.6-13.4
+    unsplit (bench/decode_sweep.py --only linear_split); q/k/v [8192 x 5120]
     (128 tiles) takes 2, 12.2 us against 13.4 unsplit."""
     if m > SMALL_M:
         return 1

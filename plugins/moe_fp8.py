@@ -49,14 +49,15 @@ from .tuning import tuned_moe
 
 OP = "moe_fp8"
 # Prefill: an expert's last <= 64 rows take a 64-row tail block, not a padded 128-row one
-# (_moe_sort.py). H200, 16K tokens (bench/moe_prefill_probe.py): sorted rows 1.126 -> 1.059 x
+# (_moe_sort.py). H200, 16K tokens (2026-11-29, commit 4ae389e): sorted rows 1.126 -> 1.059 x
 # the pairs, 14.46-14.51 -> 14.24 ms; 32-row tails 14.26-14.32 ms.
 PREFILL_TAIL_M = 64
 FP8 = (torch.float8_e4m3fn,)
 # One token's gate/up (<= DECODE_PAIRS pairs): 32 weight rows of each of gate and up a program
 # (640 programs for Beam's 8 x 2560) over 256-deep steps, 3 stages. In the H200 engine bench's
 # chained layers 2.5-3 us faster than the shared 64-row, 128-deep, 4-stage shape (0.1231-0.1238
-# against 0.1260-0.1277 ms a sliding MoE layer; docs/BENCHMARKS.md session 14, runs H and I);
+# against 0.1260-0.1277 ms a sliding MoE layer; 2026-11-30, commit 8c54f83: see
+# docs/benchmarks-history.md);
 # the down GEMM keeps the shared shape (32- or 64-row 256-deep variants were slower).
 DECODE_PAIRS = 8
 DECODE_GATE_UP = GemmConfig(16, 32, 256, 4, 3, swap=True)

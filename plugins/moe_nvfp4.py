@@ -48,7 +48,7 @@ OP = "moe_nvfp4"
 FP8 = (torch.float8_e4m3fn,)
 # Decode launch shape (weights on the MMA's M side): 32-row weight tiles on 2 warps (mma.sync)
 # keep twice as many programs in flight as 64-row warpgroup tiles, 3 stages (H200 sweep,
-# bench/nvfp4_probe.py, T=1: 126 us at 64 rows / 4 warps / 4 stages -> ~100 us); 8-token
+# 2026-11-29, commit 878db86, T=1: 126 us at 64 rows / 4 warps / 4 stages -> ~100 us); 8-token
 # blocks (one pair each in direct mode) halve the MMAs and the activation fragments a K step
 # against 16 (gate/up loop 555 -> 502 SASS instructions; T=1 94.7 -> 85.7 us).
 DECODE = GemmConfig(8, 32, 128, 2, 3, swap=True)
@@ -56,7 +56,7 @@ DECODE = GemmConfig(8, 32, 128, 2, 3, swap=True)
 # swizzled shared memory (no per-thread copies and their address registers; the per-thread
 # copies' 64-byte rows read back with 4-way bank conflicts), direct pairs' activations as one
 # row, and 16-row one-warp tiles (twice the programs; the smaller tile's shared memory now
-# fits them). H200, T=1, bench/nvfp4_probe.py: 83.1 us (DECODE) -> 71.2 (TMA, 32 rows / 2
+# fits them). H200, T=1, 2026-11-30, commit 960c289: 83.1 us (DECODE) -> 71.2 (TMA, 32 rows / 2
 # warps) -> 68.7 (one activation row) -> 66.8 (16 rows / 1 warp; 512 deep 66.4, 4 stages 68.1).
 # Sorted blocks (more pairs than direct mode takes) keep 32 rows / 2 warps: T=64 1,092 us
 # against 1,207 with 16 rows (and 1,184 with DECODE's 128-deep steps).

@@ -31,6 +31,7 @@ from typing import Iterator
 
 import torch
 
+from ._decode_config import DECODE_CONFIG, DECODE_POW2
 from ._moe_common import GemmConfig, tail_m_fits
 from .registry import PluginError
 
@@ -184,8 +185,6 @@ def _parse_config(family: str, raw, where: str):
         return pair
     if not isinstance(raw, dict) or not raw:
         raise TuningError(f"{where}: an {family} config is a non-empty object")
-    from ._attention_decode import DECODE_CONFIG
-
     for name, value in raw.items():
         if name not in DECODE_CONFIG and name != "splits":
             raise TuningError(f"{where}: unknown {family} setting {name!r}")
@@ -218,7 +217,6 @@ def _gemm(raw, where: str) -> GemmConfig:
     return config
 
 
-DECODE_POW2 = ("BLOCK_N", "BLOCK_N_SHORT", "combine_block_d")
 
 
 def _power_of_two(value: int, where: str, name: str) -> None:

@@ -15,19 +15,18 @@ problem. The whole search stops starting new measurements after `budget_s`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..config import BeamConfig
-from .autotune_cases import CASES
+from .autotune_cases import CASES, Problem  # noqa: F401  (Problem: part of this API)
 from .types import EngineError
 
 MODES = ("auto", "quick", "off")
 BUDGET_S = {"auto": 75.0, "quick": 25.0}
 MIN_GAIN = 0.03  # a candidate must be this much faster than the default (timer noise)
-ACT_DTYPE = torch.bfloat16  # the engine's activations (model.ACT_DTYPE)
 
 # Agreement of a candidate's output with the default's on the same inputs: (atol as a fraction
 # of the default output's RMS, rtol, largest relative L2 norm of the difference). A launch
@@ -48,22 +47,6 @@ AGREEMENT = {
     # against another running max; outputs differ by ~2^-9 RMS plus one output ULP.
     "attention": (2**-6, 2**-6, 2**-7),
 }
-
-
-@dataclass(frozen=True)
-class Problem:
-    family: str
-    key: tuple  # the plugins.tuning table key
-    label: str
-    params: dict = field(hash=False)  # shape parameters of the case; "size" is what is timed
-    uses: int = 1  # layers that run it (the search goes most used first)
-
-    @property
-    def group(self) -> tuple:
-        """Problems of one group share their random inputs (made for the largest size)."""
-        shared = CASES[self.family].shared
-        return (self.family,) + tuple(sorted((k, v) for k, v in self.params.items()
-                                             if k != "size" or not shared))
 
 
 @dataclass

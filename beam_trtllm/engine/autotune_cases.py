@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -301,3 +301,22 @@ CASES = {
     "attention_decode": Case("attention_decode", "attention", _decode_make, _decode_runner,
                              _decode_stages, shared=False),
 }
+
+
+ACT_DTYPE = torch.bfloat16  # the engine's activations (model.ACT_DTYPE)
+
+
+@dataclass(frozen=True)
+class Problem:
+    family: str
+    key: tuple  # the plugins.tuning table key
+    label: str
+    params: dict = field(hash=False)  # shape parameters of the case; "size" is what is timed
+    uses: int = 1  # layers that run it (the search goes most used first)
+
+    @property
+    def group(self) -> tuple:
+        """Problems of one group share their random inputs (made for the largest size)."""
+        shared = CASES[self.family].shared
+        return (self.family,) + tuple(sorted((k, v) for k, v in self.params.items()
+                                             if k != "size" or not shared))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..config import BeamConfig
-from .autotune import ACT_DTYPE, Problem
+from .autotune_cases import ACT_DTYPE, Problem
 
 LINEAR_K = {"self_attn.qkvg_proj": "hidden", "self_attn.o_proj": "attn",
             "mlp.gate_up_proj": "hidden", "mlp.down_proj": "inner"}

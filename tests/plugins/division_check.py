@@ -1,6 +1,6 @@
 """Compare plugins._common.div_rn_by (the FP8 quantizers' division) with Triton's div_rn on a
-GPU, element by element: used by test_norms' CUDA test and bench/div_probe.py (billions of
-pairs). In the interpreter div_rn_by is div_rn itself, so the comparison means nothing there."""
+GPU, element by element: used by test_norms' CUDA test (16e9 pairs on the H200, 2026-11-29:
+docs/benchmarks-history.md "Norms, the FP8 quantizer and the router"). In the interpreter div_rn_by is div_rn itself, so the comparison means nothing there."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def on_cpu(args):
     """The arguments of a reference op moved to the CPU, the oracle: on the GPU, torch's own
     float -> FP8 conversion of an activation at the top of its range differed from the CPU's
-    (a reference run on CUDA was 0.06 off the exact product in bench/fp8_mma_precision.py,
-    2026-11-29)."""
+    (a reference run on CUDA was 0.06 off the exact product, H200, 2026-11-29, commit 4c4de9d:
+    docs/benchmarks-history.md "Few-token linear GEMMs")."""
     return tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
 
 # (model dtype, KV-cache dtype) pairs the kernels are tested with.

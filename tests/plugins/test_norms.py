@@ -206,7 +206,7 @@ def test_fp8_quantizer_rounds_every_e4m3_boundary_like_torch():
 def test_fp8_quantizer_division_is_div_rn():
     """div_rn_by (the quantizers' FP64 reciprocal product) gives div_rn's bits for every
     normal quotient and the same FP8 codes for every pair: random pairs, 4M on a GPU, 256K in
-    the interpreter (NumPy's FP64; bench/div_probe.py runs billions on the H200)."""
+    the interpreter (NumPy's FP64; 16e9 on the H200: docs/benchmarks-history.md)."""
     from division_check import division_mismatches, random_pairs
 
     n = 1 << (22 if KERNEL_DEVICE == "cuda" else 18)

@@ -146,7 +146,7 @@ BUILDS = {
 # Spills tolerated outside every loop: moe_nvfp4's TMA decode (one activation row for the
 # MMA's 8 token columns) keeps five epilogue values in local memory across its K loop, a few
 # loads a program (H200, T=1: 68.5 us against 71.5 with the 8-row activation tile, which
-# does not spill; docs/BENCHMARKS.md session 10). The decode attention's split kernel,
+# does not spill; H200, 2026-11-30, commit 960c289: docs/benchmarks-history.md). The decode attention's split kernel,
 # launched early with an FP8 cache and FP8 output codes: 20 bytes (five values, stored once
 # before the wait and loaded once before the K/V loop), at 168 registers, while it holds its
 # first K/V tile across the wait. (It holds the tile as FP8 codes; converted to BF16 before

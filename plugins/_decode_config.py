@@ -1,0 +1,19 @@
+"""The decode attention's launch defaults (plugins/_attention_decode.py reads them, and
+plugins/tuning.py validates a tuned table's overrides against their names)."""
+
+# Tile and pipeline choice for the split kernel, from the H200 sweep (bench/kernels_sweep.py):
+# 128-key tiles for long contexts, 64 for short ones (a 512-slot ring: fewer idle lanes), and
+# 3 programs per SM for FP8 caches (more loads in flight for half the bytes per key).
+# Short caches (a sliding layer's ring, a full layer's table of <= 2K slots: batch-1 decode
+# of the engine bench's layers) take shorter splits and 2 stages: 7.3 us instead of 11.5 for
+# a 512-slot ring at batch 1 (H200 sweep, bench/decode_sweep.py, 2026-11-29).
+# Splits of one 128-key tile where the grid allows (min_split 128: at batch 1 with an FP8
+# cache, caches of up to 50 tiles), so that the whole split is read before the wait when it
+# is launched early, and a combine of one warp a 16 head dims: in the engine bench's decode
+# chain the full MoE layer (2K context) -4 us, the sliding ones -1 (H200, 2026-11-30, commit
+# 84866d1; docs/benchmarks-history.md "Decode attention").
+DECODE_CONFIG = dict(BLOCK_N=128, BLOCK_N_SHORT=64, short_capacity=2048, num_warps=4,
+                     num_stages=3, num_stages_short=2, programs_per_sm=2, programs_per_sm_fp8=3,
+                     min_split=128, min_split_short=64, combine_block_d=16, combine_warps=1)
+# the settings that are tile widths (tl.arange's): powers of two
+DECODE_POW2 = ("BLOCK_N", "BLOCK_N_SHORT", "combine_block_d")
