@@ -18,9 +18,15 @@ from ._attention_tiles import (LOG2E, as_cached_fp8, cache_tile_offsets, dot_pre
                                load_cached_tile, softmax_step, store_output)
 from ._common import FP8_DTYPE, is_fp8, next_pow2
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU; the interpreter gets small tiles so
-# that the CPU tests spend their time on the shapes that matter, not on padding.
-PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)  # H200 sweep
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU, by layer kind; the interpreter gets
+# small tiles so that the CPU tests spend their time on the shapes that matter, not on padding.
+# H200, 8 x 2K fresh prefill, 48 / 8 heads of 128 (docs/BENCHMARKS.md, 2026-12-01): sliding
+# (window 512) 722 us with 32-key tiles and 4 warps against 768 with the full layers' shape,
+# which is the best there (1266 us; 32-key tiles 1361).
+PREFILL_CONFIG = {
+    "full": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    "sliding": dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+}
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
@@ -38,23 +44,38 @@ def _find_sequence(cu_ptr, tile, B, BLOCK_Q: tl.constexpr, SEARCH_STEPS: tl.cons
 
 
 @triton.jit
+def _unmasked_tiles(new_lo, p_first, p_last, window, BLOCK_N: tl.constexpr):
+    """The own-key tiles from new_lo (BLOCK_N apart) that every query row of the tile
+    [p_first, p_last] sees, [head_end, mid): keys j with p_last - window < j <= p_first. The
+    tiles before (some rows' windows start inside) and after (the diagonal) are masked; the
+    mask's ALU work per score is about the softmax's."""
+    head_end = new_lo
+    if window > 0:
+        head_end = new_lo + tl.cdiv(tl.maximum(p_last - window + 1 - new_lo, 0),
+                                    BLOCK_N) * BLOCK_N
+        head_end = tl.minimum(head_end, p_last + 1)
+    mid = head_end + (tl.maximum(p_first + 1 - head_end, 0) // BLOCK_N) * BLOCK_N
+    return head_end, mid
+
+
+@triton.jit
 def _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn, stride_vn, head_kn,
-              head_vn, j_lo, j_hi, p_last, d, window, qk_scale, ks_ptr, vs_ptr, D: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_FP8: tl.constexpr,
+              head_vn, j_lo, j_hi, head_end, mid, p_last, d, window, qk_scale, ks_ptr, vs_ptr,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
               DOT_PREC: tl.constexpr):
     """Fold this chunk's keys j in [j_lo, j_hi) (k_new / v_new row first_row + j) into the
-    running softmax of the query tile. MASKED=False only for tiles that every row sees. With
-    an FP8 cache the keys and values are taken as the cache stores them (their FP8 codes, and
-    the scales applied as to cached tiles), so a query sees its own chunk's keys exactly as a
-    later step reads them back: the result does not depend on where a prefix came from."""
+    running softmax of the query tile. Only the tiles outside [head_end, mid), which some rows
+    of the tile do not see, are masked: one loop with a branch a tile, not one loop per run
+    of tiles, so the software pipeline is filled once. With an FP8 cache the keys and values
+    are taken as the cache stores them (their FP8 codes, and the scales applied as to cached
+    tiles), so a query sees its own chunk's keys exactly as a later step reads them back: the
+    result does not depend on where a prefix came from."""
     dtype = q.dtype
     for j0 in range(j_lo, j_hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         valid = j <= p_last
         rows = (first_row + j).to(tl.int64)
-        kv_mask = d[None, :] < D
-        if MASKED:
-            kv_mask = kv_mask & valid[:, None]
+        kv_mask = valid[:, None] & (d[None, :] < D)
         k = tl.load(kn_ptr + rows[:, None] * stride_kn + head_kn + d[None, :], mask=kv_mask,
                     other=0.0)
         v = tl.load(vn_ptr + rows[:, None] * stride_vn + head_vn + d[None, :], mask=kv_mask,
@@ -63,7 +84,7 @@ def _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn, strid
             k = as_cached_fp8(k, ks_ptr, dtype)
             v = as_cached_fp8(v, vs_ptr, dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        if MASKED:
+        if (j0 < head_end) | (j0 >= mid):
             diff = pos[:, None] - j[None, :]
             visible = valid[None, :] & (diff >= 0) & ((window == 0) | (diff < window))
             scores = tl.where(visible, scores, float("-inf"))
@@ -80,7 +101,9 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, out_scale_ptr, kc_
                     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     SEARCH_STEPS: tl.constexpr, IS_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
                     OUT_FP8: tl.constexpr):
-    tile, h = tl.program_id(0), tl.program_id(1)
+    # the tiles in reverse: a causal sequence's last query tiles, which see the most keys,
+    # start first and the short ones fill the last wave
+    tile, h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     b = _find_sequence(cu_ptr, tile, B, BLOCK_Q, SEARCH_STEPS)
     seq_lo = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - seq_lo
@@ -120,21 +143,14 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, out_scale_ptr, kc_
             visible = valid[None, :] & ((window == 0) | (pos[:, None] - j[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
             m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
-        # This chunk's own keys. On full layers the tiles below the tile's first query are
-        # visible to every row: no mask there, only on the diagonal tiles.
-        new_lo = tl.maximum(lo, start)
-        mid = new_lo
-        if window == 0:
-            mid = new_lo + ((p_first + 1 - new_lo) // BLOCK_N) * BLOCK_N
+        new_lo = tl.maximum(lo, start)  # this chunk's own keys from here
+        head_end, mid = _unmasked_tiles(new_lo, p_first, p_last, window, BLOCK_N)
         first_row = seq_lo - start  # k_new row of this chunk's position j: first_row + j
+        kn_head, vn_head = h * stride_knh, h * stride_vnh
         m_i, l_i, acc = _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn,
-                                  stride_vn, h * stride_knh, h * stride_vnh, new_lo, mid,
-                                  p_last, d, window, k_scale, ks_ptr, vs_ptr, D, BLOCK_N, False,
-                                  IS_FP8, DOT_PREC)
-        m_i, l_i, acc = _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn,
-                                  stride_vn, h * stride_knh, h * stride_vnh, mid, p_last + 1,
-                                  p_last, d, window, k_scale, ks_ptr, vs_ptr, D, BLOCK_N, True,
-                                  IS_FP8, DOT_PREC)
+                                  stride_vn, kn_head, vn_head, new_lo, p_last + 1, head_end, mid,
+                                  p_last, d, window, k_scale, ks_ptr, vs_ptr, D, BLOCK_N, IS_FP8,
+                                  DOT_PREC)
         if IS_FP8:  # every value was an FP8 code: one scale for all
             acc = acc * tl.load(vs_ptr)
         out_offs = q_rows[:, None] * D + d[None, :]
@@ -148,7 +164,9 @@ def launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_star
                    cache_index, window, k_scale, v_scale, out_scale=None, config=None):
     from .registry import triton_interpreted
 
-    cfg = dict(INTERPRETER_CONFIG if triton_interpreted() else PREFILL_CONFIG, **(config or {}))
+    kind = "sliding" if window > 0 else "full"
+    cfg = dict(INTERPRETER_CONFIG if triton_interpreted() else PREFILL_CONFIG[kind],
+               **(config or {}))
     t, hq, d = q.shape
     hkv, b = k_new.shape[1], cu_seqlens_q.shape[0] - 1
     g = hq // hkv

@@ -175,13 +175,19 @@ def test_fp8_chunk_sees_its_own_keys_as_a_later_step_reads_them(kind, dtype, dev
 # lengths not a multiple of the block size, windows shorter and longer than the sequences,
 # hist_start > 0, fresh prefills, chunks on top of a cache (one long enough for key tiles
 # below the diagonal, which the kernel runs unmasked), decodes.
+# "sliding-wide": a window (40) wider than a key tile plus a query tile, so that the chunks
+# of 45 and 70 tokens have tiles every row sees (unmasked) between the masked window-start
+# and diagonal tiles.
+WINDOWS = {"full": 0, "sliding": 8, "sliding-wide": 40}
 MIXED = {
     "full": [Seq(0, 7), Seq(37, 1), Seq(20, 13, hist=5), Seq(50, 1, hist=17), Seq(3, 40)],
     "sliding": [Seq(0, 11), Seq(3, 1), Seq(29, 5), Seq(40, 1, hist=36), Seq(9, 12)],
+    "sliding-wide": [Seq(0, 70), Seq(30, 45, hist=12), Seq(61, 1), Seq(5, 9)],
 }
 DECODE = {
     "full": [Seq(0, 1), Seq(45, 1), Seq(130, 1, hist=9)],
     "sliding": [Seq(2, 1), Seq(61, 1), Seq(33, 1, hist=30)],
+    "sliding-wide": [Seq(70, 1), Seq(39, 1, hist=3)],
 }
 
 
@@ -189,10 +195,10 @@ DECODE = {
 @pytest.mark.parametrize("dtype,kv_dtype", DTYPE_CASES + [
     pytest.param(torch.float32, FP8_DTYPE, id="fp32-fp8kv")])  # FP8 tiles via Triton's cast
 @pytest.mark.parametrize("step", ["mixed", "decode"])
-@pytest.mark.parametrize("kind", ["full", "sliding"])
+@pytest.mark.parametrize("kind", list(WINDOWS))
 def test_attention_kernel_matches_reference(kind, step, dtype, kv_dtype):
     seqs = (MIXED if step == "mixed" else DECODE)[kind]
-    window = 8 if kind == "sliding" else 0
+    window = WINDOWS[kind]
     case = attention_case(seqs, 6, 2, 32, window, 16, dtype, kv_dtype, seed=4,
                           device=KERNEL_DEVICE)
     got = torch.ops.beam.attention(**case)
