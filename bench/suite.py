@@ -112,11 +112,17 @@ def main(argv=None) -> int:
                     help="seconds for the whole suite (default 570: one 10-minute call)")
     ap.add_argument("--peer", action="store_true", help="also the torch.compile peer")
     ap.add_argument("--smoke", action="store_true", help="every step in --smoke (CPU)")
+    ap.add_argument("--order", default="", metavar="STEPS",
+                    help="the steps to run first, in this order (e.g. engine,kernels: the one "
+                         "whose numbers matter most before the budget runs out); the rest follow")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0, env = time.monotonic(), environment()
     suite = {"env": env, "budget_s": args.budget, "smoke": args.smoke, "steps": {}}
-    for step in steps(args.smoke, args.peer):
+    first = [name for name in args.order.split(",") if name]
+    for step in sorted(steps(args.smoke, args.peer),
+                       key=lambda st: first.index(st["name"]) if st["name"] in first
+                       else len(first)):
         left = args.budget - (time.monotonic() - t0)
         if left < step.get("min_s", 30):
             suite["steps"][step["name"]] = dict(rc="skipped", seconds=0, data={},

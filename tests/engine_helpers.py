@@ -108,7 +108,8 @@ def all_logits(engine: Engine, prompt: list[int], n: int) -> tuple[torch.Tensor,
     sampled = engine.model.logits
 
     def every_row(x, s):
-        rows.append(sampled(x, dataclasses.replace(s, logits_rows=torch.arange(x.shape[0]))))
+        every = torch.arange(x.shape[0], device=x.device)
+        rows.append(sampled(x, dataclasses.replace(s, logits_rows=every)))
         return sampled(x, s)
 
     engine.model.logits = every_row
