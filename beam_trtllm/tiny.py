@@ -83,3 +83,27 @@ def init_tiny(out_dir: str | Path, seed: int = 0, cfg: BeamConfig | None = None,
     state["lm_head.weight"][special] *= SPECIAL_LOGIT_DAMPING
     save_sharded(state, out, max_shard_bytes)
     return out
+
+
+TRAINED_DIR = Path(__file__).parent / "data" / "trained_tiny"
+TRAINED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json", "RUN.json", "train.log")
+
+
+def init_trained_tiny(out_dir: str | Path) -> Path:
+    """Write the trained tiny Beam shipped in beam_trtllm/data/trained_tiny (how it was trained:
+    its RUN.json), after checking its weights against the SHA-256 recorded there."""
+    import hashlib
+    import shutil
+
+    run = json.loads((TRAINED_DIR / "RUN.json").read_text())
+    weights = TRAINED_DIR / "model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    if digest != run["model_safetensors_sha256"]:
+        raise ValueError(f"{weights}: SHA-256 {digest} is not the one RUN.json records "
+                         f"({run['model_safetensors_sha256']}): a damaged install")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TRAINED_FILES:
+        shutil.copyfile(TRAINED_DIR / name, out / name)
+    return out
