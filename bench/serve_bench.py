@@ -231,11 +231,11 @@ def tier_ttft(args, tokenizer) -> list[tuple]:
 
 
 def faults(args) -> None:
-    """The fault scenarios (bench/serve_faults.py) on the shipped graphs, two workers per
+    """The fault scenarios (bench/_serve_faults.py) on the shipped graphs, two workers per
     group so that a killed worker leaves a survivor to answer meanwhile."""
     from dynamo_graphs.graph import load_graph
     from dynamo_graphs.launch import check_engine_limits
-    from serve_faults import run_faults
+    from _serve_faults import run_faults
 
     for name in args.faults:
         graph = load_graph(ROOT / "dynamo_graphs" / f"{name}.yaml", args.engine_dir)

@@ -97,11 +97,13 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def all_logits(engine: Engine, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+def all_logits(engine: Engine, prompt: list[int], n: int, run=None
+               ) -> tuple[torch.Tensor, list[int]]:
     """Greedy-generate n tokens and return the logits the engine computed at every position
     (its prefill chunks' rows and each decode step's), [len(prompt) + n - 1, V], with the
     tokens. The engine samples only each chunk's last row; this also reads the other rows
-    of the same forward pass."""
+    of the same forward pass. `run(engine, prompt, params)` -> token ids generates instead
+    of `engine.generate` (a parallel rank steps in lockstep with the others)."""
     import dataclasses
 
     rows: list[torch.Tensor] = []
@@ -114,10 +116,13 @@ def all_logits(engine: Engine, prompt: list[int], n: int) -> tuple[torch.Tensor,
 
     engine.model.logits = every_row
     try:
-        res = engine.generate([prompt], greedy(n))[0]
+        if run is None:
+            tokens = engine.generate([prompt], greedy(n))[0]["token_ids"]
+        else:
+            tokens = run(engine, prompt, greedy(n))
     finally:
         engine.model.logits = sampled
-    return torch.cat(rows), res["token_ids"]
+    return torch.cat(rows), tokens
 
 
 def kl_top1(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[float, float]:

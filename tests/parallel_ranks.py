@@ -4,17 +4,10 @@ engine loaded, run and dropped in turn."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 
-import torch
-
 from beam_trtllm.engine.parallel.launch import generate, load_rank
-from beam_trtllm.engine.types import SamplingParams
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
+from engine_helpers import all_logits, greedy
 
 
 def run_layouts(rank: int, engine_dirs: list[str], prompts, n: int, scenario) -> list[dict]:
@@ -36,20 +29,10 @@ def run_layouts(rank: int, engine_dirs: list[str], prompts, n: int, scenario) ->
 
 
 def _all_logits(engine, prompt, n):
-    """Logits of every row of every forward while `prompt` (request 0) generates n tokens."""
-    rows, sampled = [], engine.model.logits
-
-    def every_row(x, s):
-        rows.append(sampled(x, dataclasses.replace(s, logits_rows=torch.arange(x.shape[0]))))
-        return sampled(x, s)
-
-    engine.model.logits = every_row
-    try:
-        generate(engine, [prompt], greedy(n))
-    finally:
-        engine.model.logits = sampled
-    m = engine.parallel.mapping
-    return torch.cat(rows) if m.rank == 0 else None
+    """Logits of every row of every forward while `prompt` (request 0) generates n tokens, on
+    rank 0 (None on the others)."""
+    logits, _ = all_logits(engine, prompt, n, run=lambda e, p, params: generate(e, [p], params))
+    return logits if engine.parallel.mapping.rank == 0 else None
 
 
 def drive_scenario(engine, scenario) -> dict:

@@ -20,10 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-# serve_faults.py: serve_bench.py --faults' scenarios, a module it imports (no command line)
-HELPERS = {"serve_faults.py"}
-BENCHMARKS = sorted(p.name for p in BENCH.glob("*.py")
-                    if not p.name.startswith("_") and p.name not in HELPERS)
+BENCHMARKS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 # --smoke runs not already made by the suite, trimmed to what keeps the file near a minute
 SMOKE = {
     # the suite's kernels.py step runs moe_fp8 / moe_nvfp4 and the linear rows
