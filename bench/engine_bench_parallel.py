@@ -15,7 +15,8 @@ layout and layer (rank 0's times; every rank runs the same collectives):
 - decode: eager one-token step at batch 1 and 8 (the prefilled 2K prompts), ms per layer;
   collectives included, no CUDA graphs (the parallel engine runs its ranks eagerly);
 - prefill: 8 x 2K tokens in one chunk (per rank under attention DP), ms per layer.
-Needs as many GPUs as the largest layout's world (2); on one GPU only tp1 runs.
+Needs as many GPUs as the largest layout's world (2); on one GPU only tp1 runs. --smoke
+--layouts tp1,ep2 takes about 10 s on the 2-core CPU box; not yet run on two GPUs.
 """
 
 from __future__ import annotations

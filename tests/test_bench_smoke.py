@@ -31,6 +31,7 @@ SMOKE = {
     "autotune_bench.py": ["--smoke", "--formats", "fp8", "--mode", "quick", "--budget", "2"],
     "convert_bench.py": ["--smoke", "--recipes", "fp8-block"],
     "engine_gpu_check.py": ["--smoke"],
+    "engine_bench_parallel.py": ["--smoke", "--layouts", "tp1,ep2"],
 }
 INTERPRETED = {"kernels_moe.py", "kernels_sweep.py", "decode_sweep.py", "autotune_bench.py"}
 IN_SUITE = {"suite.py", "kernels.py", "kernels_fp8_channel.py", "engine_bench.py", "compare.py"}
