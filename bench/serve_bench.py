@@ -8,7 +8,10 @@ Load: closed loop at concurrency C (C requests in flight; a finished one is repl
 `--max-tokens` generated (ignore_eos). Reported per setup and C: output tokens/s (total
 generated / wall time), mean TTFT, mean inter-token latency (per request: (t_last - t_first) /
 (n - 1)). The direct engine runs in this process through add_request/step, so "Dynamo
-overhead" = 1 - dynamo tok/s / direct tok/s at the same C. Every request goes to 127.0.0.1.
+overhead" = 1 - dynamo tok/s / direct tok/s at the same C (the ceiling: the engine called
+directly). Every request goes to 127.0.0.1. About 3 minutes on the 2-core CPU box for
+`--concurrency 8 --rounds 1 --requests-per-slot 4 --skip tier --faults agg disagg`; --smoke
+(a tiny engine built in a temp dir, agg and disagg at C=1, 4 tokens, no tier) about a minute.
 """
 
 from __future__ import annotations
@@ -255,7 +258,9 @@ def faults(args) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine-dir", type=Path, default=ROOT / "out/bench/engine")
     p.add_argument("--tier-engine-dir", type=Path, default=ROOT / "out/bench/tier")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -275,6 +280,9 @@ def main() -> None:
     p.add_argument("--kill-streams", type=int, default=32)
     p.add_argument("--kill-tokens", type=int, default=64)
     p.add_argument("--hang-s", type=float, default=60.0)
+    p.add_argument("--smoke", action="store_true",
+                   help="the script's whole path at toy sizes: a tiny engine built in a temp dir, "
+                        "agg and disagg at C=1, 4 tokens, no tier")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the direct engine and of every worker (same for all)")
     args = p.parse_args()
@@ -289,6 +297,8 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every worker
     torch.set_num_threads(args.threads)
 
+    if args.smoke:
+        _smoke_settings(args)
     tokenizer = TextTokenizer(args.engine_dir)
     if "throughput" not in args.skip:
         rows = throughput(args, tokenizer)
@@ -308,6 +318,22 @@ def main() -> None:
         for r in rows:
             print(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.0f} "
                   f"| {r[6]:.1f}x |")
+
+
+def _smoke_settings(args) -> None:
+    """--smoke: the random tiny Beam built into a temp dir (kept for the run), one request at
+    C=1 through each setup, 4 tokens, no tier section."""
+    from beam_trtllm.engine.build import build_engine
+    from beam_trtllm.engine.plan import BuildOptions
+    from beam_trtllm.tiny import init_tiny
+
+    tmp = Path(tempfile.mkdtemp(prefix="serve-bench-smoke-"))
+    init_tiny(tmp / "tiny", seed=0)
+    args.engine_dir = build_engine(tmp / "tiny", tmp / "engine", BuildOptions(
+        max_batch=4, max_seq_len=256, max_num_tokens=256, block_size=16))
+    args.concurrency, args.requests_per_slot, args.rounds = [1], 1, 1
+    args.prompt_tokens, args.max_tokens = 16, 4
+    args.skip = sorted(set(args.skip) | {"tier"})
 
 
 if __name__ == "__main__":

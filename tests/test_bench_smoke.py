@@ -32,12 +32,13 @@ SMOKE = {
     "convert_bench.py": ["--smoke", "--recipes", "fp8-block"],
     "engine_gpu_check.py": ["--smoke"],
     "engine_bench_parallel.py": ["--smoke", "--layouts", "tp1,ep2"],
+    "grammar_bench.py": ["--smoke", "--batch", "1", "2", "--tokens", "4", "--repeats", "1"],
+    "serve_bench.py": ["--smoke"],
 }
 INTERPRETED = {"kernels_moe.py", "kernels_sweep.py", "decode_sweep.py", "autotune_bench.py"}
 IN_SUITE = {"suite.py", "kernels.py", "kernels_fp8_channel.py", "engine_bench.py", "compare.py"}
 # Help text must say what a benchmark measures against which ceiling and how long it takes.
 HELP_WORDS = ("ceiling", "floor", "against")
-HELP_ONLY = {"serve_bench.py", "grammar_bench.py"}  # serving: tests/serving runs them
 
 
 def _env(interpret: bool) -> dict:
@@ -107,18 +108,15 @@ def test_every_benchmark_answers_help_with_what_it_measures(runs, name):
     assert result["rc"] == 0, f"{name} --help: exit {result['rc']}\n{result['text'][-3000:]}"
     text = result["text"].lower()
     assert "usage:" in text, text
-    if name not in HELP_ONLY:
-        assert any(w in text for w in HELP_WORDS), f"{name} --help names no ceiling:\n{text}"
-        assert "about" in text and ("minute" in text or " s " in text or "second" in text), \
-            f"{name} --help does not say how long it takes:\n{text}"
-        assert name == "compare.py" or "--smoke" in text, f"{name} has no --smoke mode"
+    assert any(w in text for w in HELP_WORDS), f"{name} --help names no ceiling:\n{text}"
+    assert "about" in text and ("minute" in text or " s " in text or "second" in text), \
+        f"{name} --help does not say how long it takes:\n{text}"
+    assert name == "compare.py" or "--smoke" in text, f"{name} has no --smoke mode"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_every_benchmark_runs_in_smoke_mode(runs, name):
-    if name in HELP_ONLY:
-        pytest.skip(f"{name}: serving benchmark, exercised by tests/serving")
     assert name in SMOKE or name in IN_SUITE, f"{name}: no --smoke run in this file"
     if name in SMOKE:
         _ok(runs[f"smoke {name}"])
