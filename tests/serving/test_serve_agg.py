@@ -105,8 +105,15 @@ def test_a_repeated_prefix_goes_to_the_worker_that_holds_it(agg):
                                         extra_body=EXTRA)
             assert _worker(resp) == worker_id
             assert resp.usage.prompt_tokens_details.cached_tokens >= 16 * 8
-    after = {s["worker_id"]: s["prefix_hits"] for s in worker_status(agg).values()}
-    assert all(after[w] > before[w] for w in holder)
+    # the worker writes its status after the step that answered, so a read right after the
+    # response may be a step behind: poll it, bounded
+    deadline = time.monotonic() + 5.0
+    while True:
+        after = {s["worker_id"]: s["prefix_hits"] for s in worker_status(agg).values()}
+        if all(after[w] > before[w] for w in holder) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert all(after[w] > before[w] for w in holder), (before, after)
 
 
 def test_200_concurrent_requests_all_complete(agg):
