@@ -82,6 +82,18 @@ def worker_status(running) -> dict[str, dict]:
     return out
 
 
+def status_when(running, ready, timeout_s=5.0) -> dict[str, dict]:
+    """The workers' status once `ready(status)` holds, or as it is after timeout_s: a worker
+    writes its status after the step that answered, so a read right after a response may be
+    a step behind."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = worker_status(running)
+        if ready(status) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
 def wait_all_free(running, timeout_s=20.0) -> dict[str, dict]:
     """Poll until every live worker holds no KV (blocks, pins, reservations, requests)."""
     deadline = time.monotonic() + timeout_s

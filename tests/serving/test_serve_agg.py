@@ -8,8 +8,8 @@ import pytest
 
 from beam_trtllm.tokenizer import TextTokenizer
 
-from helpers.serving import (CHAT, EXTRA, PROMPTS, client, expect, launch_graph, wait_all_free,
-                             worker_status)
+from helpers.serving import (CHAT, EXTRA, PROMPTS, client, expect, launch_graph, status_when,
+                             wait_all_free, worker_status)
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +105,10 @@ def test_a_repeated_prefix_goes_to_the_worker_that_holds_it(agg):
                                         extra_body=EXTRA)
             assert _worker(resp) == worker_id
             assert resp.usage.prompt_tokens_details.cached_tokens >= 16 * 8
-    # the worker writes its status after the step that answered, so a read right after the
-    # response may be a step behind: poll it, bounded
-    deadline = time.monotonic() + 5.0
-    while True:
-        after = {s["worker_id"]: s["prefix_hits"] for s in worker_status(agg).values()}
-        if all(after[w] > before[w] for w in holder) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    def hits(status):
+        return {s["worker_id"]: s["prefix_hits"] for s in status.values()}
+
+    after = hits(status_when(agg, lambda st: all(hits(st)[w] > before[w] for w in holder)))
     assert all(after[w] > before[w] for w in holder), (before, after)
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from helpers.serving import (EXTRA, PROMPTS, client, expect, launch_graph, long_prompt,
-                             wait_all_free, worker_status)
+                             status_when, wait_all_free, worker_status)
 
 BLOCK = 16
 
@@ -38,6 +38,14 @@ def _tokens(resp):
 
 def _status(running, role):
     return [s for s in worker_status(running).values() if s["role"] == role]
+
+
+def _prefill_tiers(running, ready):
+    """The prefill worker's tier counters once `ready(tiers)` holds (bounded)."""
+    def tiers(status):
+        return next(s["tiers"] for s in status.values() if s["role"] == "prefill")
+
+    return tiers(status_when(running, lambda st: ready(tiers(st))))
 
 
 def test_disagg_greedy_output_is_the_engines(disagg, reference):
@@ -73,13 +81,14 @@ def test_an_offloaded_prefix_is_loaded_back_and_gives_identical_tokens(disagg, r
     # Other long prompts fill the prefill worker's 64 blocks and evict the prefix to the tiers.
     for i in range(7):
         c.completions.create(model="beam", prompt=long_prompt(f"fill{i}x"), max_tokens=1)
-    tiers = _status(disagg, "prefill")[0]["tiers"]
+    tiers = _prefill_tiers(disagg, lambda t: t["offloaded"] >= n_blocks and t["spilled_to_disk"])
     assert tiers["offloaded"] >= n_blocks and tiers["spilled_to_disk"] > 0
     assert tiers["dropped"] == 0
     hits_before = tiers["host_hits"] + tiers["disk_hits"]
     again = c.completions.create(model="beam", prompt=prompt, max_tokens=8, temperature=0,
                                  extra_body=EXTRA)
-    tiers = _status(disagg, "prefill")[0]["tiers"]
+    tiers = _prefill_tiers(disagg, lambda t: t["host_hits"] + t["disk_hits"] - hits_before
+                           >= n_blocks)
     assert tiers["host_hits"] + tiers["disk_hits"] - hits_before == n_blocks
     assert again.usage.prompt_tokens_details.cached_tokens == n_blocks * BLOCK
     assert _tokens(again) == _tokens(first) == expect(reference, prompt, 8)[0]
