@@ -35,22 +35,26 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel tests/plugins tests/test_autotune_kernels.py $(PYTEST_ARGS)
 
+# The trained tiny Beam end to end: its facts; ModelOpt FP8 and NVFP4 checkpoints with an FP8
+# KV cache, the NVFP4 one verified against it; BF16, FP8 and NVFP4 engines and transformers'
+# model answering a coding request one after another (their Python must parse); then the
+# NVFP4 engine served by the disaggregated Dynamo graph (frontend + prefill + decode on
+# 127.0.0.1, KV over NIXL): the coding request and a get_weather tool call (its arguments
+# validated against the tool's JSON schema) through the OpenAI API, then Ctrl-C.
+# One torch thread per process: the tiny model's ops are too small to share two cores out.
+demo: export OMP_NUM_THREADS = 1
 demo: $(STAMP)
 	rm -rf $(DEMO)
-	$(BIN)/beam-trt init-tiny $(DEMO)/tiny --seed 0
+	$(BIN)/beam-trt init-tiny $(DEMO)/tiny --trained
 	$(BIN)/beam-trt info $(DEMO)/tiny --context 4096
-	$(BIN)/beam-trt generate $(DEMO)/tiny --chat --max-new-tokens 24 \
-	    --prompt "Write a function that adds two numbers."
+	$(BIN)/beam-trt convert $(DEMO)/tiny $(DEMO)/tiny-fp8 --quant fp8 --kv-cache fp8
 	$(BIN)/beam-trt convert $(DEMO)/tiny $(DEMO)/tiny-nvfp4 --quant nvfp4 --kv-cache fp8
 	$(BIN)/beam-trt verify $(DEMO)/tiny-nvfp4 --against $(DEMO)/tiny
 	$(BIN)/beam-trt build $(DEMO)/tiny $(DEMO)/tiny-engine --max-seq-len 512 --block-size 16
-	$(BIN)/beam-trt generate $(DEMO)/tiny-engine --chat --max-new-tokens 24 \
-	    --prompt "Write a function that adds two numbers."
+	$(BIN)/beam-trt build $(DEMO)/tiny-fp8 $(DEMO)/tiny-fp8-engine --max-seq-len 512 --block-size 16
 	$(BIN)/beam-trt build $(DEMO)/tiny-nvfp4 $(DEMO)/tiny-nvfp4-engine --max-seq-len 512 --block-size 16
-	$(BIN)/beam-trt generate $(DEMO)/tiny-nvfp4-engine --chat --max-new-tokens 24 \
-	    --prompt "Write a function that adds two numbers."
-	# Serve the NVFP4 engine with the disaggregated graph (frontend + prefill + decode on
-	# 127.0.0.1, KV over NIXL), answer one chat request through the frontend, Ctrl-C.
+	$(BIN)/python -m dynamo_graphs.demo_answers --checkpoint $(DEMO)/tiny bf16=$(DEMO)/tiny-engine \
+	    fp8=$(DEMO)/tiny-fp8-engine nvfp4=$(DEMO)/tiny-nvfp4-engine
 	$(BIN)/python -m dynamo_graphs.demo_chat dynamo_graphs/disagg.yaml
 
 clean:

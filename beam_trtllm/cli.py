@@ -20,9 +20,10 @@ def main() -> None:
     """beam-trt: Beam 1.0 from Hugging Face checkpoint to a served deployment."""
 
 
-from .train.command import train_tiny_cmd  # noqa: E402  (its own file: the training options)
+from .train.command import train_draft_cmd, train_tiny_cmd  # noqa: E402  (the training options)
 
 main.add_command(train_tiny_cmd)
+main.add_command(train_draft_cmd)
 
 
 @main.command("info")
@@ -113,9 +114,14 @@ def init_tiny_cmd(out_dir, seed, trained):
               "each holds num_experts / ep experts, split tp / ep ways.")
 @click.option("--attention-dp", is_flag=True, help="Attention data parallel: every rank its own "
               "requests and KV cache (attention and dense MLPs whole), the MoE over all ranks.")
+@click.option("--draft", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help="A DFlash2 drafter checkpoint dir for speculative decoding "
+              "(copied to ENGINE_DIR/draft/).")
+@click.option("--draft-tokens", default=0, help="Drafts verified per step [default: the "
+              "drafter's block_size - 1].")
 def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_tokens, kv_dtype,
               dtype, kv_memory, block_size, cuda_graph_batch_sizes, autotune, overwrite, tp, ep,
-              attention_dp):
+              attention_dp, draft, draft_tokens):
     """Build an engine dir (repacked weights, KV plan, tokenizer) from a converted checkpoint."""
     from .checkpoint import CheckpointError
     from .engine.build import build_engine
@@ -130,14 +136,15 @@ def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_toke
         opts = BuildOptions(target=target, max_batch=max_batch, max_seq_len=max_seq_len,
                             max_num_tokens=max_num_tokens, kv_dtype=kv_dtype,
                             kv_memory_gib=kv_memory, block_size=block_size,
-                            cuda_graph_batch_sizes=sizes, autotune=autotune, dtype=dtype)
+                            cuda_graph_batch_sizes=sizes, autotune=autotune, dtype=dtype,
+                            draft_tokens=draft_tokens)
         parallel = None
         if (tp, ep, attention_dp) != (1, 1, False):
             from .engine.parallel import ParallelMapping
 
             parallel = ParallelMapping(tp, ep, attention_dp)
         build_engine(ckpt_dir, engine_dir, opts, progress=click.echo, overwrite=overwrite,
-                     parallel=parallel)
+                     parallel=parallel, draft=draft)
     except (EngineError, ConfigError, CheckpointError) as exc:
         raise BeamCLIError(str(exc)) from exc
 
@@ -155,8 +162,13 @@ def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_toke
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
               help="Parallel engine dirs: the ranks' device (cpu: gloo; cuda: NCCL, rank r on "
               "cuda:r) [default: cuda if available].")
+@click.option("--speculative/--no-speculative", default=None, help="Drafts from the engine "
+              "dir's drafter [default: on when it has one].")
+@click.option("--draft-tokens", default=None, type=int, help="Drafts verified per step.")
+@click.option("--adaptive", is_flag=True, help="Adaptive verification: verify only the drafts "
+              "the acceptance estimator and the step costs say are worth it.")
 def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                 device):
+                 device, speculative, draft_tokens, adaptive):
     """Generate text, streaming: with the engine for an engine dir (from `beam-trt build`; a
     parallel one starts its ranks), with transformers' BeamForCausalLM (FP32, CPU) for an
     unquantized checkpoint dir."""
@@ -164,7 +176,13 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, to
         _generate_parallel(model_dir, prompt, chat, device, max_new_tokens, temperature, top_k,
                            top_p, seed, stop)
     elif (model_dir / "engine.json").is_file():
-        _generate_engine(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop)
+        spec = speculative
+        if speculative is not False and (draft_tokens or adaptive):
+            from .engine.speculative import SpecConfig
+
+            spec = SpecConfig(tokens=draft_tokens, adaptive=adaptive)
+        _generate_engine(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed,
+                         stop, spec)
     else:
         if stop:
             raise BeamCLIError("--stop needs an engine dir (the transformers path has no stop "
@@ -172,12 +190,13 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, to
         _generate_reference(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed)
 
 
-def _generate_engine(engine_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop):
+def _generate_engine(engine_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed,
+                     stop, speculative=None):
     from .engine.engine import Engine
     from .engine.types import EngineError, SamplingParams
 
     try:
-        engine = Engine.from_dir(engine_dir)
+        engine = Engine.from_dir(engine_dir, speculative=speculative)
         text = (engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
                 if chat else prompt)
         ids = engine.tokenizer.encode(text)
@@ -194,7 +213,9 @@ def _generate_engine(engine_dir, prompt, chat, max_new_tokens, temperature, top_
             sys.stdout.flush()
             reason = out.finish_reason or reason
     click.echo()
-    click.echo(f"[{reason}; {engine.stats['generated_tokens']} tokens, {engine.device}]", err=True)
+    spec = engine.spec.summary() if engine.spec is not None else ""
+    click.echo(f"[{reason}; {engine.stats['generated_tokens']} tokens, {engine.device}{spec}]",
+               err=True)
 
 
 def _generate_parallel(engine_dir, prompt, chat, device, max_new_tokens, temperature, top_k,

@@ -88,22 +88,32 @@ def init_tiny(out_dir: str | Path, seed: int = 0, cfg: BeamConfig | None = None,
 TRAINED_DIR = Path(__file__).parent / "data" / "trained_tiny"
 TRAINED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "RUN.json", "train.log")
+TRAINED_DRAFT_FILES = ("config.json", "model.safetensors", "RUN.json")  # under draft/
 
 
-def init_trained_tiny(out_dir: str | Path) -> Path:
-    """Write the trained tiny Beam shipped in beam_trtllm/data/trained_tiny (how it was trained:
-    its RUN.json), after checking its weights against the SHA-256 recorded there."""
+def _check_sha256(src: Path) -> None:
     import hashlib
-    import shutil
 
-    run = json.loads((TRAINED_DIR / "RUN.json").read_text())
-    weights = TRAINED_DIR / "model.safetensors"
+    run = json.loads((src / "RUN.json").read_text())
+    weights = src / "model.safetensors"
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
     if digest != run["model_safetensors_sha256"]:
         raise ValueError(f"{weights}: SHA-256 {digest} is not the one RUN.json records "
                          f"({run['model_safetensors_sha256']}): a damaged install")
+
+
+def init_trained_tiny(out_dir: str | Path) -> Path:
+    """Write the trained tiny Beam shipped in beam_trtllm/data/trained_tiny (how it was trained:
+    its RUN.json) and its DFlash2 drafter (draft/, docs/SPECULATIVE.md), after checking their
+    weights against the SHA-256 each RUN.json records."""
+    import shutil
+
+    _check_sha256(TRAINED_DIR)
+    _check_sha256(TRAINED_DIR / "draft")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "draft").mkdir(parents=True, exist_ok=True)
     for name in TRAINED_FILES:
         shutil.copyfile(TRAINED_DIR / name, out / name)
+    for name in TRAINED_DRAFT_FILES:
+        shutil.copyfile(TRAINED_DIR / "draft" / name, out / "draft" / name)
     return out

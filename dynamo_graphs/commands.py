@@ -104,6 +104,8 @@ def worker_argv(graph: Graph, spec: WorkerSpec, run_dir: Path | None, index: int
         disk = o.disk_dir or (run_dir / "offload" if run_dir else Path("/tmp/beam-offload"))
         argv += ["--offload-disk-mib", str(o.disk_mib),
                  "--offload-disk-dir", str(Path(disk) / f"{spec.name}-{index}")]
+    if graph.speculative is not None:
+        argv += ["--speculative", json.dumps(graph.speculative)]
     if run_dir is not None:
         argv += ["--status-file", str(run_dir / "status" / f"{spec.name}-{index}.json")]
     return argv

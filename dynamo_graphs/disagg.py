@@ -27,9 +27,11 @@ log = logging.getLogger("beam.worker")
 
 
 def cache_tensors(engine) -> list[CacheTensor]:
-    """Every layer's K and V cache, in layer order: paged blocks or sliding rings."""
+    """Every layer's K and V cache, in layer order: paged blocks or sliding rings; then the
+    drafter's paged K and V (speculative decoding: the prompt's drafter context goes with
+    the handoff, in the same block ids)."""
     out = []
-    for layer in engine.kv.layers():
+    for layer in (engine.kv_layers() if hasattr(engine, "kv_layers") else engine.kv.layers()):
         kind = "block" if layer.kind == "full" else "ring"
         out += [CacheTensor(kind, layer.k), CacheTensor(kind, layer.v)]
     return out

@@ -113,6 +113,9 @@ class Graph:
     offload: Offload = field(default_factory=Offload)
     restarts: Restarts = field(default_factory=Restarts)
     k8s: K8sSpec = field(default_factory=K8sSpec)
+    # speculative decoding (docs/SPECULATIVE.md): None = as the engine dir says (on when it
+    # has a drafter), False = off, or {draft, tokens, adaptive}
+    speculative: Any = None
 
     @property
     def disaggregated(self) -> bool:
@@ -212,10 +215,31 @@ def parse_graph(raw: Any, path: Path, engine_dir: str | Path | None = None) -> G
         offload=_offload(top.sub("offload"), base),
         restarts=_restarts(top.sub("restarts")),
         k8s=_k8s(top.sub("k8s")),
+        speculative=_speculative(top, base, where),
     )
     top.done()
     _check_roles(graph, where)
     return graph
+
+
+def _speculative(top: _Reader, base: Path, where: str):
+    """`speculative: {draft: DIR, tokens: N, adaptive: bool}` | true | false (checked here,
+    so a bad block fails `serve` before any process starts); `draft` is relative to the file."""
+    from beam_trtllm.engine.speculative import SpecConfig
+    from beam_trtllm.engine.types import EngineError
+
+    top.used.add("speculative")
+    raw = top.raw.get("speculative")
+    try:
+        spec = SpecConfig.from_json(raw, where)
+    except EngineError as exc:
+        raise GraphError(str(exc)) from None
+    if spec is None:
+        return None if raw is None else False
+    out = {"tokens": spec.tokens, "adaptive": spec.adaptive, "compile": spec.compile}
+    if spec.draft is not None:
+        out["draft"] = str((base / spec.draft).resolve())
+    return out
 
 
 def _frontend(r: _Reader) -> FrontendSpec:

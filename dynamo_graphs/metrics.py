@@ -62,8 +62,23 @@ class BeamCollector:
                        samples=[((), s["preemptions"])])
         yield _counter("prefix_hit_blocks", "KV blocks served from the prefix cache",
                        samples=[((), s["prefix_hits"])])
+        yield from _spec_metrics(s)
         yield from _handoff_metrics(s)
         yield from _tier_metrics(s.get("tiers"))
+
+
+def _spec_metrics(s: dict) -> Iterator:
+    if "spec_verify_steps" not in s:  # drafts off
+        return
+    yield _counter("spec_verify_steps", "Per-request verify steps of speculative decoding",
+                   samples=[((), s["spec_verify_steps"])])
+    yield _counter("spec_draft_tokens", "Draft tokens verified, by outcome", ["outcome"],
+                   [(("drafted",), s["spec_drafted_tokens"]),
+                    (("accepted",), s["spec_accepted_tokens"])])
+    steps = s["spec_verify_steps"]
+    mean = (s["spec_accepted_tokens"] + steps) / steps if steps else 0.0
+    yield _gauge("spec_mean_acceptance_length", "Tokens committed per verify step (accepted "
+                 "drafts + the correction or bonus token), since start", samples=[((), mean)])
 
 
 def _handoff_metrics(s: dict) -> Iterator:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import time
@@ -52,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--offload-disk-mib", type=float, default=0.0)
     p.add_argument("--offload-disk-dir", type=Path, default=None)
     p.add_argument("--status-file", type=Path, default=None)
+    p.add_argument("--speculative", default=None, help="the graph's speculative block as JSON "
+                   "(false: drafts off; absent: on when the engine dir has a drafter)")
     return p.parse_args(argv)
 
 
@@ -96,7 +99,7 @@ class BeamWorker(LLMEngine):
         t0 = time.monotonic()
         # a parallel engine dir: this worker is rank 0 of its TP/EP group and starts the others
         self.engine = await asyncio.to_thread(open_engine, self.args.engine_dir,
-                                              self.args.device)
+                                              self.args.device, _speculative(self.args))
         # The first forward pays one-time costs (op registration, allocator, torch.compile
         # wrappers): pay them here, not in the first user's TTFT. 3 tokens fill no block, so
         # the warm-up leaves no cached KV and emits no KV events.
@@ -344,5 +347,16 @@ def main() -> None:
     run(BeamWorker)
 
 
+def _speculative(args):
+    """--speculative JSON -> Engine.from_dir's `speculative` (None: the engine dir decides)."""
+    if args.speculative is None:
+        return None
+    from beam_trtllm.engine.speculative import SpecConfig
+
+    raw = json.loads(args.speculative)
+    return SpecConfig.from_json(raw, "--speculative") or False
+
+
 if __name__ == "__main__":
     main()
+

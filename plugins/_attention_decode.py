@@ -10,7 +10,9 @@ kernel: the last split program of a (sequence, KV head) to store its partial mer
 same bits (a ticket per pair from `_common.sync_counters`, put back to zero). With one split
 (batches of >= 2 * SMs / Hkv sequences, or short caches) the split program writes the output
 itself and the combine is not launched. NUM_SPLITS comes from shapes only (batch, heads, the
-cache's addressable length), so the launch is CUDA-graph safe.
+cache's addressable length), so the launch is CUDA-graph safe. An FP8 cache's codes become
+FP16 operands (q and P too) by DECODE_CONFIG's "fp8_operands" form, or BF16 ones by Triton's
+cast (_attention_tiles.py says how, and what that changes numerically).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention_tiles import (LOG2E, as_cached_fp8, cache_tile_offsets, dot_precision,
-                               load_cached_tile, softmax_step, store_output)
+from ._attention_tiles import (FP8_CAST, LOG2E, P_LOG2_FP16, as_cached_fp8, as_operands,
+                               cache_tile_offsets, dot_precision, fp8_forms, fp8_scale,
+                               load_cached_tile, pow2_block_size, query_operands, softmax_step,
+                               store_output)
 from . import _pdl
 from ._common import (FP8_DTYPE, TL_DTYPES, is_fp8, last_to_arrive, next_pow2, sm_count,
                       sync_counters)
@@ -39,6 +43,7 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
+                         K_FORM: tl.constexpr, V_FORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          DOT_PREC: tl.constexpr, ACT: tl.constexpr, OUT_FP8: tl.constexpr,
                          PDL: tl.constexpr, PRELOAD: tl.constexpr, ONE_TILE: tl.constexpr,
                          FOLD_COMBINE: tl.constexpr):
@@ -60,7 +65,7 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
     s_lo, s_hi = _split_range(q_start_ptr, hist_ptr, b, split, window, NUM_SPLITS, BLOCK_N)
     k_scale = qk_scale
     if IS_FP8:
-        k_scale = qk_scale * tl.load(ks_ptr)
+        k_scale = qk_scale * fp8_scale(ks_ptr, K_FORM)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -69,18 +74,22 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
     first = s_lo
     if PRELOAD or ONE_TILE:  # held as the cache's codes across the wait (FP8: half the regs)
         k0, v0, valid0 = _cached_tile(kc_ptr, vc_ptr, tile, s_lo, D, BLOCK_N,
-                                      kc_ptr.dtype.element_ty)
+                                      kc_ptr.dtype.element_ty, FP8_CAST, FP8_CAST, BLOCK_SIZE)
     wait_for_inputs(PDL)
     q = tl.load(q_ptr + (b * HQ + h * G + g[:, None]).to(tl.int64) * D + d[None, :],
                 mask=gd_mask, other=0.0)
+    q = query_operands(q, K_FORM)
     if PRELOAD or ONE_TILE:  # the loop's first step (an empty split's tile is all -inf)
-        m_i, l_i, acc = _tile_step(q, k0.to(dtype), v0.to(dtype), valid0, k_scale, m_i, l_i,
-                                   acc, DOT_PREC)
+        m_i, l_i, acc = _tile_step(q, as_operands(k0, dtype, K_FORM),
+                                   as_operands(v0, dtype, V_FORM, True), valid0, k_scale, m_i,
+                                   l_i, acc, DOT_PREC, V_FORM)
         first = s_lo + BLOCK_N
     if not ONE_TILE:
         for j0 in range(first, s_hi, BLOCK_N):
-            k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, j0, D, BLOCK_N, dtype)
-            m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC)
+            k, v, valid = _cached_tile(kc_ptr, vc_ptr, tile, j0, D, BLOCK_N, dtype, K_FORM,
+                                       V_FORM, BLOCK_SIZE)
+            m_i, l_i, acc = _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC,
+                                       V_FORM)
     if split == NUM_SPLITS - 1:  # the step's own key (position `start`) comes from k_new,
         # as the cache stores it (FP8: its codes, scaled like the cached tiles')
         k1 = tl.load(kn_ptr + b.to(tl.int64) * stride_kn + h * stride_knh + d, mask=d < D,
@@ -88,11 +97,11 @@ def _decode_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, q_start_ptr, his
         v1 = tl.load(vn_ptr + b.to(tl.int64) * stride_vn + h * stride_vnh + d, mask=d < D,
                      other=0.0)
         if IS_FP8:
-            k1 = as_cached_fp8(k1, ks_ptr, dtype)
-            v1 = as_cached_fp8(v1, vs_ptr, dtype)
-        m_i, l_i, acc = _own_key_step(q, k1, v1, k_scale, m_i, l_i, acc)
+            k1 = as_cached_fp8(k1, ks_ptr, dtype, K_FORM)
+            v1 = as_cached_fp8(v1, vs_ptr, dtype, V_FORM)
+        m_i, l_i, acc = _own_key_step(q, k1, v1, k_scale, m_i, l_i, acc, V_FORM)
     if IS_FP8:
-        acc = acc * tl.load(vs_ptr)
+        acc = acc * fp8_scale(vs_ptr, V_FORM)
     if NUM_SPLITS == 1:
         _gated_output(acc, l_i, gate_ptr, out_ptr, out_scale_ptr, b, h, g, d, gd_mask, HQ, G,
                       D, ACT, OUT_FP8)
@@ -127,33 +136,41 @@ def _split_range(q_start_ptr, hist_ptr, b, split, window, NUM_SPLITS: tl.constex
 
 @triton.jit
 def _cached_tile(kc_ptr, vc_ptr, tile, j0, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 dtype: tl.constexpr):
-    """K and V of cache positions [j0, j0 + BLOCK_N) (zero past the split's end) and which
-    are valid; `tile` = (index row, M, block size, block and row strides, head offset, d,
-    the split's end)."""
+                 dtype: tl.constexpr, K_FORM: tl.constexpr, V_FORM: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
+    """K and V of cache positions [j0, j0 + BLOCK_N) (zero past the split's end) as operands
+    of forms K_FORM / V_FORM (_attention_tiles.py; the codes themselves: dtype the cache's and
+    CAST) and which are valid; `tile` = (index row, M, block size, block and row strides, head
+    offset, d, the split's end)."""
     index_row, M, block_size, stride_blk, stride_row, head_off, d, s_hi = tile
     j = j0 + tl.arange(0, BLOCK_N)
     valid = j < s_hi
-    offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row)
-    k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype)
-    v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype)
+    offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row,
+                              BLOCK_SIZE)
+    k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype, K_FORM)
+    v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype, V_FORM, True)
     return k, v, valid
 
 
 @triton.jit
-def _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+def _tile_step(q, k, v, valid, k_scale, m_i, l_i, acc, DOT_PREC: tl.constexpr,
+               V_FORM: tl.constexpr):
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
     scores = tl.where(valid[None, :], scores, float("-inf"))
-    return softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+    return softmax_step(scores, m_i, l_i, acc, v, DOT_PREC, V_FORM)
 
 
 @triton.jit
-def _own_key_step(q, k1, v1, qk_scale, m_i, l_i, acc):
-    """Fold the step's own key and value (one row each, FP32 dot) into the running state."""
+def _own_key_step(q, k1, v1, qk_scale, m_i, l_i, acc, V_FORM: tl.constexpr):
+    """Fold the step's own key and value (one row each, FP32 dot) into the running state
+    (P in softmax_step's units for V_FORM)."""
     s1 = tl.sum(q.to(tl.float32) * k1.to(tl.float32)[None, :], axis=1) * qk_scale
     m_new = tl.maximum(m_i, s1)
     alpha = tl.exp2(m_i - m_new)
-    p1 = tl.exp2(s1 - m_new)
+    if V_FORM != FP8_CAST:
+        p1 = tl.exp2(s1 - (m_new - P_LOG2_FP16))
+    else:
+        p1 = tl.exp2(s1 - m_new)
     l_i = l_i * alpha + p1
     acc = acc * alpha[:, None] + p1[:, None] * v1.to(tl.float32)[None, :]
     return m_new, l_i, acc
@@ -232,6 +249,20 @@ def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.
     return max(1, min(want, triton.cdiv(capacity, max(min_split, block_n))))
 
 
+def _operand_options(cfg: dict, q, k_cache) -> dict:
+    """The split kernel's operand and cache-index constexprs: the FP8 cache's operand forms
+    (cfg["fp8_operands"], _attention_tiles.FP8_SETTINGS) and the power-of-two block size;
+    cfg may also set "pow2_blocks": False (divide by the block size at run time, as before
+    the shifts) and "maxnreg" (a register cap), for benchmarks (bench/decode_fp8kv.py)."""
+    k_form, v_form = fp8_forms(cfg["fp8_operands"], q.dtype, k_cache.dtype)
+    block_size = pow2_block_size(k_cache.shape[1]) if cfg.get("pow2_blocks", True) else 0
+    options = dict(IS_FP8=is_fp8(k_cache.dtype), K_FORM=k_form, V_FORM=v_form,
+                   BLOCK_SIZE=block_size, DOT_PREC=dot_precision(q.dtype))
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = cfg["maxnreg"]
+    return options
+
+
 def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, cache_index,
                   window, k_scale, v_scale, out_scale=None, config=None):
     cfg = dict(DECODE_CONFIG, **(config or tuned_decode(q, k_cache, cache_index) or {}))
@@ -264,10 +295,10 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
         part_o, part_m, part_l, gate, out, out_scale, tickets, k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), m, block_size, k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), window, LOG2E / d**0.5, BLOCK_G=block_g, BLOCK_N=block_n,
-        IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype),
         PRELOAD=cfg.get("preload", bool(early)),
         ONE_TILE=bool(cfg.get("one_tile", True)) and splits * block_n >= capacity,
-        FOLD_COMBINE=fold, **common, **early, num_warps=cfg["num_warps"], num_stages=stages)
+        FOLD_COMBINE=fold, **common, **early, **_operand_options(cfg, q, k_cache),
+        num_warps=cfg["num_warps"], num_stages=stages)
     if splits > 1 and not fold:
         combine_d = min(block_d, cfg["combine_block_d"])
         _decode_combine_kernel[(b, hkv, triton.cdiv(d, combine_d))](

@@ -15,19 +15,29 @@ import triton
 import triton.language as tl
 
 from ._attention_tiles import (LOG2E, as_cached_fp8, cache_tile_offsets, dot_precision,
-                               load_cached_tile, softmax_step, store_output)
+                               fp8_forms, fp8_scale, load_cached_tile, pow2_block_size,
+                               query_operands, softmax_step, store_output)
 from ._common import FP8_DTYPE, is_fp8, next_pow2
+from ._decode_config import DECODE_CONFIG
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU, by layer kind; the interpreter gets
 # small tiles so that the CPU tests spend their time on the shapes that matter, not on padding.
 # H200, 8 x 2K fresh prefill, 48 / 8 heads of 128 (docs/BENCHMARKS.md, 2026-12-01): sliding
 # (window 512) 722 us with 32-key tiles and 4 warps against 768 with the full layers' shape,
 # which is the best there (1266 us; 32-key tiles 1361).
+# fp8_operands: how an FP8 cache's tiles become MMA operands (_attention_tiles.FP8_SETTINGS):
+# on full layers the decode kernel's default. Their cached-key loop took 3 conversions a
+# code pair for BF16 operands (sm_90 SASS, a 64-key tile: 788 instructions, 96 of them
+# conversions, a thread; with K by cvt and V by bits 720 and 16). Sliding layers keep
+# Triton's cast: their 4-warp tiles already sit at 255 registers, and the FP16 forms spill
+# inside the K loop there (sm_90 build: 6 to 92 spill instructions), for at most
+# window - 1 cached keys a query tile.
 PREFILL_CONFIG = {
-    "full": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    "sliding": dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+    "full": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3,
+                 fp8_operands=DECODE_CONFIG["fp8_operands"]),
+    "sliding": dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3, fp8_operands=1),
 }
-INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)  # (tiles only)
 
 
 @triton.jit
@@ -62,14 +72,15 @@ def _unmasked_tiles(new_lo, p_first, p_last, window, BLOCK_N: tl.constexpr):
 def _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn, stride_vn, head_kn,
               head_vn, j_lo, j_hi, head_end, mid, p_last, d, window, qk_scale, ks_ptr, vs_ptr,
               D: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
-              DOT_PREC: tl.constexpr):
+              DOT_PREC: tl.constexpr, K_FORM: tl.constexpr, V_FORM: tl.constexpr):
     """Fold this chunk's keys j in [j_lo, j_hi) (k_new / v_new row first_row + j) into the
     running softmax of the query tile. Only the tiles outside [head_end, mid), which some rows
     of the tile do not see, are masked: one loop with a branch a tile, not one loop per run
     of tiles, so the software pipeline is filled once. With an FP8 cache the keys and values
     are taken as the cache stores them (their FP8 codes, and the scales applied as to cached
     tiles), so a query sees its own chunk's keys exactly as a later step reads them back: the
-    result does not depend on where a prefix came from."""
+    result does not depend on where a prefix came from. (K_FORM / V_FORM: the operand forms
+    of the cached tiles, _attention_tiles.py; q is in K's already.)"""
     dtype = q.dtype
     for j0 in range(j_lo, j_hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
@@ -81,14 +92,14 @@ def _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn, strid
         v = tl.load(vn_ptr + rows[:, None] * stride_vn + head_vn + d[None, :], mask=kv_mask,
                     other=0.0)
         if IS_FP8:
-            k = as_cached_fp8(k, ks_ptr, dtype)
-            v = as_cached_fp8(v, vs_ptr, dtype)
+            k = as_cached_fp8(k, ks_ptr, dtype, K_FORM)
+            v = as_cached_fp8(v, vs_ptr, dtype, V_FORM)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         if (j0 < head_end) | (j0 >= mid):
             diff = pos[:, None] - j[None, :]
             visible = valid[None, :] & (diff >= 0) & ((window == 0) | (diff < window))
             scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+        m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC, V_FORM)
     return m_i, l_i, acc
 
 
@@ -100,7 +111,8 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, out_scale_ptr, kc_
                     HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                     SEARCH_STEPS: tl.constexpr, IS_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
-                    OUT_FP8: tl.constexpr):
+                    OUT_FP8: tl.constexpr, K_FORM: tl.constexpr, V_FORM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr):
     # the tiles in reverse: a causal sequence's last query tiles, which see the most keys,
     # start first and the short ones fill the last wave
     tile, h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
@@ -118,6 +130,7 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, out_scale_ptr, kc_
         q_rows = (seq_lo + tok).to(tl.int64) * HQ + head
         q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :],
                     mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        q = query_operands(q, K_FORM)
         start = tl.load(q_start_ptr + b)
         pos = start + tok  # query positions [BLOCK_M]
         p_first = start + t0
@@ -130,19 +143,20 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, out_scale_ptr, kc_
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         k_scale = qk_scale
         if IS_FP8:
-            k_scale = qk_scale * tl.load(ks_ptr)
+            k_scale = qk_scale * fp8_scale(ks_ptr, K_FORM)
         index_row = index_ptr + b.to(tl.int64) * M
         head_off = h * stride_head
         for j0 in range(lo, start, BLOCK_N):  # cached keys: every query here is past them
             j = j0 + tl.arange(0, BLOCK_N)
             valid = j < start
-            offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row)
-            k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype)
-            v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype)
+            offs = cache_tile_offsets(index_row, j, valid, M, block_size, stride_blk, stride_row,
+                                      BLOCK_SIZE)
+            k = load_cached_tile(kc_ptr, offs, head_off, d, valid, D, dtype, K_FORM)
+            v = load_cached_tile(vc_ptr, offs, head_off, d, valid, D, dtype, V_FORM, True)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * k_scale
             visible = valid[None, :] & ((window == 0) | (pos[:, None] - j[None, :] < window))
             scores = tl.where(visible, scores, float("-inf"))
-            m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC)
+            m_i, l_i, acc = softmax_step(scores, m_i, l_i, acc, v, DOT_PREC, V_FORM)
         new_lo = tl.maximum(lo, start)  # this chunk's own keys from here
         head_end, mid = _unmasked_tiles(new_lo, p_first, p_last, window, BLOCK_N)
         first_row = seq_lo - start  # k_new row of this chunk's position j: first_row + j
@@ -150,9 +164,9 @@ def _prefill_kernel(q_ptr, kn_ptr, vn_ptr, gate_ptr, out_ptr, out_scale_ptr, kc_
         m_i, l_i, acc = _own_keys(q, pos, m_i, l_i, acc, kn_ptr, vn_ptr, first_row, stride_kn,
                                   stride_vn, kn_head, vn_head, new_lo, p_last + 1, head_end, mid,
                                   p_last, d, window, k_scale, ks_ptr, vs_ptr, D, BLOCK_N, IS_FP8,
-                                  DOT_PREC)
+                                  DOT_PREC, K_FORM, V_FORM)
         if IS_FP8:  # every value was an FP8 code: one scale for all
-            acc = acc * tl.load(vs_ptr)
+            acc = acc * fp8_scale(vs_ptr, V_FORM)
         out_offs = q_rows[:, None] * D + d[None, :]
         out_mask = row_ok[:, None] & (d[None, :] < D)
         gate = tl.load(gate_ptr + out_offs, mask=out_mask, other=0.0).to(tl.float32)
@@ -165,8 +179,8 @@ def launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_star
     from .registry import triton_interpreted
 
     kind = "sliding" if window > 0 else "full"
-    cfg = dict(INTERPRETER_CONFIG if triton_interpreted() else PREFILL_CONFIG[kind],
-               **(config or {}))
+    cfg = dict(PREFILL_CONFIG[kind], **(INTERPRETER_CONFIG if triton_interpreted() else {}))
+    cfg.update(config or {})
     t, hq, d = q.shape
     hkv, b = k_new.shape[1], cu_seqlens_q.shape[0] - 1
     g = hq // hkv
@@ -174,6 +188,7 @@ def launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_star
     block_q = block_m // g
     out = q.new_empty(t, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
     grid = (t // block_q + b, hkv)
+    k_form, v_form = fp8_forms(cfg["fp8_operands"], q.dtype, k_cache.dtype)
     _prefill_kernel[grid](
         q, k_new, v_new, gate, out, gate if out_scale is None else out_scale, k_cache, v_cache,
         cu_seqlens_q, q_start, hist_start,
@@ -183,5 +198,7 @@ def launch_prefill(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_star
         HQ=hq, G=g, D=d, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_N=cfg["BLOCK_N"], SEARCH_STEPS=max(1, (b - 1).bit_length()),
         IS_FP8=is_fp8(k_cache.dtype), DOT_PREC=dot_precision(q.dtype),
-        OUT_FP8=out_scale is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        OUT_FP8=out_scale is not None, K_FORM=k_form, V_FORM=v_form,
+        BLOCK_SIZE=pow2_block_size(k_cache.shape[1]) if cfg.get("pow2_blocks", True) else 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from ._decode_config import DECODE_CONFIG, DECODE_POW2
+from ._decode_config import DECODE_CONFIG, DECODE_POW2, FP8_FORMS, FP8_SETTINGS
 from ._moe_common import GemmConfig, tail_m_fits
 from .registry import PluginError
 
@@ -191,6 +191,8 @@ def _parse_config(family: str, raw, where: str):
         _positive_int(value, f"{where} {name}")
         if name in DECODE_POW2:  # (tile widths: tl.arange's)
             _power_of_two(value, where, name)
+        if name == "fp8_operands" and value not in FP8_FORMS:
+            raise TuningError(f"{where}: fp8_operands must be one of {FP8_SETTINGS}, got {value}")
     return dict(raw)
 
 

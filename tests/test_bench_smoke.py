@@ -28,14 +28,20 @@ SMOKE = {
                        "--sweep", "fp8:1"],
     "kernels_sweep.py": ["--smoke", "--only", "router"],
     "decode_sweep.py": ["--smoke", "--only", "norm1"],
+    "decode_fp8kv.py": ["--smoke"],
     "autotune_bench.py": ["--smoke", "--formats", "fp8", "--mode", "quick", "--budget", "2"],
     "convert_bench.py": ["--smoke", "--recipes", "fp8-block"],
     "engine_gpu_check.py": ["--smoke"],
     "engine_bench_parallel.py": ["--smoke", "--layouts", "tp1,ep2"],
     "grammar_bench.py": ["--smoke", "--batch", "1", "2", "--tokens", "4", "--repeats", "1"],
+    "long_context.py": ["--smoke"],
     "serve_bench.py": ["--smoke"],
+    "agreement.py": ["--smoke"],
+    "quant_quality.py": ["--smoke"],
+    "spec_bench.py": ["--smoke"],
 }
-INTERPRETED = {"kernels_moe.py", "kernels_sweep.py", "decode_sweep.py", "autotune_bench.py"}
+INTERPRETED = {"kernels_moe.py", "kernels_sweep.py", "decode_sweep.py", "autotune_bench.py",
+               "decode_fp8kv.py"}
 IN_SUITE = {"suite.py", "kernels.py", "kernels_fp8_channel.py", "engine_bench.py", "compare.py"}
 # Help text must say what a benchmark measures against which ceiling and how long it takes.
 HELP_WORDS = ("ceiling", "floor", "against")

@@ -36,6 +36,21 @@ def test_worker_command_line_carries_the_graph_settings(tmp_path):
     assert flags["--kv-transfer-base-s"] == "5.0" and flags["--on-transfer-failure"] == "error"
 
 
+def test_the_speculative_block_reaches_every_worker(tmp_path):
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "speculative": {"tokens": 5, "adaptive": True,
+                                                            "draft": "drafter"}}))
+    graph = load_graph(path)
+    flags = dict(zip(*[iter(worker_argv(graph, graph.workers[0], tmp_path, 0)[2:])] * 2))
+    import json
+
+    assert json.loads(flags["--speculative"]) == {"tokens": 5, "adaptive": True, "compile": True,
+                                                  "draft": str(tmp_path / "drafter")}
+    path.write_text(yaml.safe_dump({**BASE, "speculative": False}))
+    assert json.loads(dict(zip(*[iter(worker_argv(load_graph(path), graph.workers[0], tmp_path,
+                                                   0)[2:])] * 2))["--speculative"]) is False
+
+
 BASE = {"name": "g", "engine_dir": "e", "workers": [{"role": "agg"}]}
 
 
@@ -59,6 +74,10 @@ BASE = {"name": "g", "engine_dir": "e", "workers": [{"role": "agg"}]}
     ({"backend": "vllm"}, "backend is 'vllm'"),
     ({"engine_dir": None}, "missing required field engine_dir"),
     ({"extra": 1}, "unknown field extra"),
+    ({"speculative": {"tokens": 0}}, "speculative.tokens must be an integer >= 1"),
+    ({"speculative": {"token": 4}}, "speculative has an unknown field 'token'"),
+    ({"speculative": {"adaptive": "yes"}}, "speculative.adaptive must be true or false"),
+    ({"speculative": 3}, "speculative must be a mapping, true or false"),
 ])
 def test_bad_fields_are_named(tmp_path, edit, message):
     path = tmp_path / "g.yaml"

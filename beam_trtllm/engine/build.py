@@ -20,13 +20,17 @@ from .build_parts import (CheckpointReader, _kv_dtype, check_out_dir, read_input
                           sha256_file, write_engine_dir)  # noqa: F401  (sha256_file: the API)
 from .parallel.build import build_parallel
 from .plan import BuildOptions, kv_plan
+from .types import EngineError
 
 
 def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOptions,
                  progress: Callable[[str], None] = lambda msg: None, overwrite: bool = False,
-                 parallel=None) -> Path:
+                 parallel=None, draft: str | Path | None = None) -> Path:
     """`parallel` (a ParallelMapping): write one engine dir per rank instead
-    (parallel/build.py)."""
+    (parallel/build.py). `draft`: a DFlash2 drafter dir to put into the engine dir (its
+    `--draft-tokens`, opts.draft_tokens, default to the drafter's block size - 1)."""
+    if parallel is not None and draft is not None:
+        raise EngineError("--draft: speculative decoding runs on single-GPU engines (no --tp/--ep)")
     if parallel is not None:
         return build_parallel(ckpt_dir, engine_dir, opts, parallel, progress, overwrite)
     ckpt_dir, engine_dir = Path(ckpt_dir), Path(engine_dir)
@@ -34,13 +38,18 @@ def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOption
     cfg, scheme = read_inputs(ckpt_dir)
     reader = CheckpointReader(ckpt_dir)
     reader.check(cfg)
+    if draft is not None:
+        from .draft_build import draft_options
+
+        opts = draft_options(Path(draft), cfg, opts)
     kv_plan(cfg, opts, _kv_dtype(reader, cfg, opts))  # a plan that cannot work: refused first
     progress(f"checkpoint: {scheme.describe()}")
     tmp = engine_dir.with_name(f".{engine_dir.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        write_engine_dir(ckpt_dir, reader, cfg, scheme, tmp, opts, progress)
+        write_engine_dir(ckpt_dir, reader, cfg, scheme, tmp, opts, progress,
+                         draft_dir=Path(draft) if draft is not None else None)
         if engine_dir.exists():
             shutil.rmtree(engine_dir)
         os.replace(tmp, engine_dir)

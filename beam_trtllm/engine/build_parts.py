@@ -149,9 +149,12 @@ def read_inputs(ckpt_dir: Path) -> tuple[BeamConfig, Scheme]:
 
 def write_engine_dir(ckpt_dir: Path, reader, cfg: BeamConfig, scheme: Scheme, tmp: Path,
                      opts: BuildOptions, progress, parallel=None, ckpt_sha: str | None = None,
-                     not_here: Callable[[str], bool] = lambda name: False) -> None:
+                     not_here: Callable[[str], bool] = lambda name: False,
+                     draft_dir: Path | None = None) -> None:
     """Weights, side files and engine.json into `tmp`. `parallel`: the rank's mapping (its
-    reader returns the rank's pieces; `not_here` names the tensors other ranks hold)."""
+    reader returns the rank's pieces; `not_here` names the tensors other ranks hold);
+    `draft_dir`: a DFlash2 drafter checkpoint, checked against the target and copied to
+    `draft/` (speculative.py)."""
     kv_cfg = cfg if parallel is None else parallel.local_config(cfg)
     kv_dtype = _kv_dtype(reader, cfg, opts)
     kv = kv_plan(kv_cfg, opts, kv_dtype)
@@ -164,6 +167,10 @@ def write_engine_dir(ckpt_dir: Path, reader, cfg: BeamConfig, scheme: Scheme, tm
         raise EngineError(f"{ckpt_dir}: unexpected tensor {unused[0]}{more}: not part of a "
                           "Beam checkpoint of this config")
     files.update(_copy_side_files(ckpt_dir, tmp, cfg))
+    if draft_dir is not None:
+        from .draft_build import copy_draft
+
+        files.update(copy_draft(draft_dir, cfg, tmp, progress))
     tune, written = build_autotune(kv_cfg, layer_plan, opts, kv_dtype, tmp, progress)
     files.update({name: {"bytes": (tmp / name).stat().st_size,
                          "sha256": sha256_file(tmp / name)} for name in written})

@@ -15,14 +15,25 @@ from __future__ import annotations
 
 from .plan import cdiv
 from .request import Request, State
-from .types import EngineError, KVCapacityError, KVHandle, SamplingParams
+from .types import EngineError, KVCapacityError, KVHandle, LayerKV, SamplingParams
 
 
 class DisaggMixin:
+    def kv_layers(self) -> tuple[LayerKV, ...]:
+        """What a handoff moves: every layer's KV, then with a drafter (speculative decoding)
+        its paged K/V per draft layer (kind "full": the same block ids), so the decode side
+        drafts from the prompt's context at once."""
+        layers = self.kv.layers()
+        if getattr(self, "spec", None) is None:
+            return layers
+        cache, base = self.spec.kv.cache, self.cfg.num_hidden_layers
+        return layers + tuple(LayerKV(base + j, "full", cache[j, 0], cache[j, 1], 1.0, 1.0)
+                              for j in range(cache.shape[0]))
+
     def _handle(self, req: Request, num_tokens: int, first_token: int | None) -> KVHandle:
         return KVHandle(req.request_id, num_tokens, self.kv_plan.block_size,
                         tuple(req.block_ids[:cdiv(num_tokens, self.kv_plan.block_size)]),
-                        req.ring_row, self.kv.layers(), first_token, self.kv_plan.kv_dtype)
+                        req.ring_row, self.kv_layers(), first_token, self.kv_plan.kv_dtype)
 
     def kv_export(self, request_id: str) -> KVHandle:
         """Where a finished prefill-only request's KV lives (it stays pinned until release)."""

@@ -33,6 +33,7 @@ from .outputs import OutputMixin
 from .plan import BuildOptions, KVPlan, cdiv
 from .request import Request, State
 from .scheduler import Scheduler
+from .speculative import DRAFT_DIR, SpecConfig, SpecDecoder, find_draft_dir
 from .types import EngineError, KVUsage, SamplingParams
 
 
@@ -44,7 +45,7 @@ class Engine(DisaggMixin, OutputMixin):
     def __init__(self, cfg: BeamConfig, weights: dict[str, torch.Tensor], layer_plan: dict,
                  options: BuildOptions, kv_plan: KVPlan, device: torch.device | str = "cpu",
                  tokenizer=None, eos_token_ids: Sequence[int] = (), use_cuda_graphs: bool = True,
-                 parallel=None):
+                 parallel=None, drafter=None, spec: "SpecConfig | None" = None):
         self.cfg, self.options, self.kv_plan = cfg, options, kv_plan
         self.parallel = parallel  # a rank of a parallel engine (parallel/rank.py), or None
         kv_cfg = cfg if parallel is None else parallel.mapping.local_config(cfg)  # its KV heads
@@ -52,8 +53,13 @@ class Engine(DisaggMixin, OutputMixin):
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         k_scales, v_scales = _kv_scales(weights, cfg) if kv_plan.kv_dtype == "fp8" else ({}, {})
+        num_drafts = 0
+        if drafter is not None:
+            spec = spec or SpecConfig()
+            num_drafts = spec.tokens or drafter.cfg.num_draft_tokens
         self.kv = KVCache(kv_cfg, kv_plan.num_blocks, kv_plan.block_size, kv_plan.max_seqs,
-                          kv_plan.kv_dtype, self.device, k_scales, v_scales)
+                          kv_plan.kv_dtype, self.device, k_scales, v_scales,
+                          ring_len=cfg.sliding_window + num_drafts)
         self.blocks = BlockManager(kv_plan.num_blocks, kv_plan.block_size,
                                    self.kv.read_block, self.kv.write_block)
         self.scheduler = Scheduler(self.blocks, self.kv, options.max_batch, options.max_num_tokens,
@@ -65,23 +71,41 @@ class Engine(DisaggMixin, OutputMixin):
         self._pending_outputs: list = []
         self._arrivals = itertools.count()
         self._lock = threading.RLock()
-        self.graphs = None
+        self.spec = None
+        if drafter is not None:
+            if parallel is not None:
+                raise EngineError("speculative decoding runs on single-GPU engines; this is a "
+                                  "rank of a parallel engine")
+            self.spec = SpecDecoder(self, drafter, num_drafts, spec.adaptive, use_cuda_graphs,
+                                    spec.compile)
+        self.capture = self.spec.layers if self.spec is not None else ()
+        self.graphs = self.verify_graphs = None
         if self.device.type == "cuda" and use_cuda_graphs and options.cuda_graph_batch_sizes \
                 and parallel is None:  # a rank's collectives run eagerly
             from .graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, options, kv_plan, cfg, self.device)
+            after = self.spec.in_graph if self.spec is not None else None
+            self.graphs = DecodeGraphs(self.model, options, kv_plan, cfg, self.device,
+                                       capture_layers=self.capture, ring_len=self.kv.ring_len,
+                                       after=after)
+            if self.spec is not None:  # verify steps: 1 + drafts tokens per sequence
+                self.verify_graphs = DecodeGraphs(
+                    self.model, options, kv_plan, cfg, self.device, capture_layers=self.capture,
+                    ring_len=self.kv.ring_len, tokens_per_seq=1 + num_drafts, after=after)
         self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "restored_tokens": 0, "preemptions": 0}
 
     @classmethod
     def from_dir(cls, path: str | Path, device: torch.device | str | None = None,
                  verify: bool = True, use_cuda_graphs: bool = True, autotune: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> "Engine":
+                 progress: Callable[[str], None] | None = None,
+                 speculative: "SpecConfig | bool | None" = None) -> "Engine":
         """Load an engine dir; refuses a corrupt or mismatched one (see engine_dir.py). On CUDA
         the engine's tuned launch shapes are installed first (or searched, if the build left
         that to the first load; `autotune` auto | quick | off, see tuned_kernels.py), so the
-        CUDA graphs capture them. `progress` gets one line per step (default: stderr)."""
+        CUDA graphs capture them. `progress` gets one line per step (default: stderr).
+        `speculative`: None = on if the dir has a drafter (`build --draft`), False = off, or a
+        SpecConfig (speculative.py)."""
         from ..tokenizer import TextTokenizer
 
         device = torch.device(device) if device is not None else default_device()
@@ -100,8 +124,15 @@ class Engine(DisaggMixin, OutputMixin):
         tokenizer = TextTokenizer(spec.path)
         eos = spec.cfg.eos_token_id
         eos_ids = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+        sc, drafter = _speculative(spec, speculative), None
+        if sc is not None:
+            from ..draft import DFlash2Drafter
+
+            drafter = DFlash2Drafter.from_dir(
+                find_draft_dir(spec.path, sc), spec.cfg, weights["model.embed_tokens.weight"],
+                weights["lm_head.weight"], device, weights["model.embed_tokens.weight"].dtype)
         return cls(spec.cfg, weights, spec.layer_plan, spec.options, spec.kv, device, tokenizer,
-                   eos_ids, use_cuda_graphs, parallel)
+                   eos_ids, use_cuda_graphs, parallel, drafter, sc)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -172,8 +203,9 @@ class Engine(DisaggMixin, OutputMixin):
             outputs += self._emit_handoff_tokens()
             chunks = self.scheduler.schedule()
             if chunks:
-                logits = self._forward(chunks)
-                outputs += self._after_forward(chunks, logits)
+                slots = self.spec.context_slots(chunks) if self.spec is not None else None
+                logits, hidden = self._forward(chunks)
+                outputs += self._after_forward(chunks, logits, hidden, slots)
             elif self.parallel is not None:  # attention DP: join the other ranks' MoE
                 self.parallel.idle_step(self.model)
             self._flush_events()
@@ -181,14 +213,42 @@ class Engine(DisaggMixin, OutputMixin):
             self.stats["preemptions"] = self.scheduler.num_preemptions
             return outputs
 
-    def _forward(self, chunks) -> torch.Tensor:
+    def _forward(self, chunks):
+        """-> (logits of the sampling rows, the captured target states [T, n*H] or None)."""
         # Graphs cover plain decode: one token per sequence, nothing to restore from the cache.
-        decode_only = all(c.n == 1 and c.start >= c.request.full_cached for c in chunks)
-        if self.graphs is not None and decode_only and len(chunks) <= self.graphs.max_batch:
+        decode_only = all(c.n == 1 + len(c.drafts) and c.start >= c.request.full_cached
+                          for c in chunks)
+        graphs = self.verify_graphs if any(c.drafts for c in chunks) else self.graphs
+        if graphs is not None and decode_only and len(chunks) <= graphs.max_batch:
             self.stats["graph_steps"] += 1
-            return self.graphs.run(chunks)
-        inputs = build_step(chunks, self.kv_plan.block_size, self.cfg.sliding_window, self.device)
-        return self.model.forward(inputs)
+            return graphs.run(chunks)
+        inputs = build_step(chunks, self.kv_plan.block_size, self.cfg.sliding_window, self.device,
+                            ring_len=self.kv.ring_len)
+        if not self.capture:
+            return self.model.forward(inputs), None
+        return self.model.forward(inputs, self.capture)
+
+    def model_cost_probe(self, num_tokens: int) -> None:
+        """One target forward over `num_tokens` tokens of a sequence that writes no cache (the
+        adaptive budget's verify-cost profile, speculative.py)."""
+        from .model import StepInputs
+
+        dev, t = self.device, num_tokens
+
+        def z(n, dtype=torch.int32):
+            return torch.zeros(n, dtype=dtype, device=dev)
+
+        s = StepInputs(input_ids=z(t, torch.int64), positions=torch.arange(t, device=dev),
+                       cu_seqlens=torch.tensor([0, t], dtype=torch.int32, device=dev),
+                       q_start=z(1), hist_full=z(1), hist_sliding=z(1),
+                       block_table=z((1, 1)), ring_index=torch.full((1, 1), self.kv.scratch_row,
+                                                                    dtype=torch.int32, device=dev),
+                       slot_full=torch.full((t,), -1, dtype=torch.int64, device=dev),
+                       slot_sliding=torch.full((t,), -1, dtype=torch.int64, device=dev),
+                       write_rows=z(0, torch.int64), write_slots=z(0, torch.int64),
+                       restore_rows=z(0, torch.int64), restore_slots=z(0, torch.int64),
+                       logits_rows=torch.arange(t, device=dev))
+        self.model.forward(s, self.capture)
 
     # ------------------------------------------------------------------ accounting
     def kv_usage(self) -> KVUsage:
@@ -212,6 +272,7 @@ class Engine(DisaggMixin, OutputMixin):
                 "num_pinned": states.count(State.PINNED), "num_reserved": states.count(State.RESERVED),
                 "max_batch": self.options.max_batch, **self.stats,
                 "prefix_hits": self.blocks.stats["hits"],
+                **(self.spec.stats if self.spec is not None else {}),
             }
 
     def set_kv_event_sink(self, sink) -> None:
@@ -254,6 +315,23 @@ class Engine(DisaggMixin, OutputMixin):
                     res["finish_reason"] = out.finish_reason
                     self.requests.pop(out.request_id, None)
         return [results[r] for r in ids]
+
+
+def _speculative(spec, choice) -> "SpecConfig | None":
+    """The drafts setting an engine loads with (see `Engine.from_dir`)."""
+    if choice is False:
+        return None
+    if isinstance(choice, SpecConfig):
+        return choice
+    if choice not in (None, True):
+        raise EngineError(f"speculative must be None, True, False or a SpecConfig, got {choice!r}")
+    has_draft = (Path(spec.path) / DRAFT_DIR / "config.json").is_file()
+    if choice is True and not has_draft:
+        raise EngineError(f"engine dir {spec.path}: speculative decoding asked for, but it has "
+                          f"no drafter ({DRAFT_DIR}/); build with --draft DIR")
+    if not has_draft:
+        return None
+    return SpecConfig(tokens=spec.options.draft_tokens or None)
 
 
 def _stderr(line: str) -> None:

@@ -5,9 +5,12 @@ offload tier and disaggregated transfer.
 Memory: one tensor per kind so a transport can register each as a single region.
 - full:    [n_full, 2 (K, V), num_blocks, block_size, Hkv, D]; block b of full layer l is
            `full[l, 0, b]` / `full[l, 1, b]`.
-- sliding: [n_sliding, 2, max_seqs + 1, window, Hkv, D]; position p of the sequence in ring
-           row r is slot p % window. Row `max_seqs` is a scratch row: padded rows of a CUDA
-           graph batch point at it, so they never touch a live sequence's ring.
+- sliding: [n_sliding, 2, max_seqs + 1, ring_len, Hkv, D]; position p of the sequence in ring
+           row r is slot p % ring_len. Row `max_seqs` is a scratch row: padded rows of a CUDA
+           graph batch point at it, so they never touch a live sequence's ring. ring_len is the
+           window, plus the draft tokens with speculative decoding: a verify step writes its
+           N + 1 positions before attending, and the N rejected ones must not overwrite keys
+           the next step's queries still see.
 """
 
 from __future__ import annotations
@@ -23,18 +26,22 @@ KV_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.f
 class KVCache:
     def __init__(self, cfg: BeamConfig, num_blocks: int, block_size: int, max_seqs: int,
                  kv_dtype: str, device: torch.device,
-                 k_scales: dict[int, float] | None = None, v_scales: dict[int, float] | None = None):
+                 k_scales: dict[int, float] | None = None, v_scales: dict[int, float] | None = None,
+                 ring_len: int | None = None):
         if kv_dtype not in KV_TORCH_DTYPES:
             raise EngineError(f"kv dtype must be one of {sorted(KV_TORCH_DTYPES)}, got {kv_dtype!r}")
         self.cfg, self.block_size, self.max_seqs = cfg, block_size, max_seqs
         self.num_blocks, self.kv_dtype = num_blocks, kv_dtype
         self.window = cfg.sliding_window
+        self.ring_len = ring_len or cfg.sliding_window
+        if self.ring_len < self.window:
+            raise EngineError(f"KV cache: ring_len {self.ring_len} < sliding_window {self.window}")
         dtype = KV_TORCH_DTYPES[kv_dtype]
         hkv, d = cfg.num_key_value_heads, cfg.head_dim
         self.full_layers, self.sliding_layers = cfg.full_layers, cfg.sliding_layers
         self.full = torch.zeros(len(self.full_layers), 2, num_blocks, block_size, hkv, d,
                                 dtype=dtype, device=device)
-        self.sliding = torch.zeros(len(self.sliding_layers), 2, max_seqs + 1, self.window, hkv, d,
+        self.sliding = torch.zeros(len(self.sliding_layers), 2, max_seqs + 1, self.ring_len, hkv, d,
                                    dtype=dtype, device=device)
         self._slot = {layer: i for i, layer in enumerate(self.full_layers)}
         self._slot.update({layer: i for i, layer in enumerate(self.sliding_layers)})

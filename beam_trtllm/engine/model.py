@@ -149,15 +149,22 @@ class BeamModel:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, s: StepInputs) -> torch.Tensor:
-        """-> logits [S, V] fp32 of the rows in `s.logits_rows`."""
+    def forward(self, s: StepInputs, capture: tuple[int, ...] = ()):
+        """-> logits [S, V] fp32 of the rows in `s.logits_rows`; with `capture` (a drafter's
+        target_layer_ids), (logits, the residual stream after each of those layers,
+        concatenated in that order [T, len(capture) * H]) — before the final norm."""
         if self.parallel is not None:
             self.parallel.begin_forward(s.input_ids.shape[0])
         h = F.embedding(s.input_ids, self.embed)
         x, xq = self.input_norm(h)
+        captured = {}
         for i in range(len(self.layers)):
             h, x, xq = self.layer(i, h, x, xq, s)
-        return self.logits(x, s)
+            if i in capture:
+                captured[i] = h
+        if not capture:
+            return self.logits(x, s)
+        return self.logits(x, s), torch.cat([captured[i] for i in capture], dim=-1)
 
     def input_norm(self, h: torch.Tensor):
         """Layer 0's pre-attention norm -> (x, its FP8 codes for the q/k/v GEMM or None)."""

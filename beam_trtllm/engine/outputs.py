@@ -4,9 +4,11 @@ the model and the caller)."""
 
 from __future__ import annotations
 
+import torch
+
 from .detok import IncrementalDetokenizer
 from .request import Request, State
-from .sampler import sample
+from .sampler import sample, token_logprobs
 from .types import EngineError, RequestOutput
 
 
@@ -19,31 +21,100 @@ class OutputMixin:
             return None
         return IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.sampling.stop)
 
-    def _after_forward(self, chunks, logits) -> list[RequestOutput]:
-        sampled = []
-        for c in chunks:
-            self.scheduler.commit(c)
+    def _after_forward(self, chunks, logits, hidden=None, slots=None) -> list[RequestOutput]:
+        """Commit, sample (verify the drafts of verify chunks), emit; then the drafter's
+        context K/V and its next drafts (speculative.py)."""
+        sampled, verify, rows, row = [], [], [], 0
+        anchors = [c.request for c in chunks if c.samples]  # (before the new tokens land)
+        for i, c in enumerate(chunks):
             req = c.request
             restored = max(0, min(c.start + c.n, req.full_cached) - c.start)
             self.stats["restored_tokens"] += restored
             self.stats["prompt_tokens"] += max(0, min(c.start + c.n, len(req.prompt_ids)) -
                                                max(c.start, req.full_cached))
+            if c.drafts:  # committed once verified
+                verify.append(i)
+                rows.append(logits[row:row + len(c.drafts) + 1])
+                row += len(c.drafts) + 1
+                continue
+            self.scheduler.commit(c)
             if c.samples:
-                sampled.append(req)
-        if not sampled:
-            return []
-        params = [r.sampling for r in sampled]
-        histories = ([(r.prompt_ids, r.output_ids) for r in sampled]
+                sampled.append((req, logits[row]))
+                row += 1
+        outputs = self._sample_rows(sampled) if sampled else []
+        if verify:
+            self._verify(chunks, verify, rows, outputs)
+        if self.spec is not None:
+            if hidden is not None:  # (a CUDA-graph step wrote it inside the graph: None)
+                self.spec.write_context(chunks, hidden, slots)
+            self.spec.propose(anchors)
+        return outputs
+
+    def _sample_rows(self, sampled) -> list[RequestOutput]:
+        reqs = [r for r, _ in sampled]
+        logits = torch.stack([lg for _, lg in sampled])
+        params = [r.sampling for r in reqs]
+        histories = ([(r.prompt_ids, r.output_ids) for r in reqs]
                      if any(p.shapes_logits for p in params) else None)
-        bitmask, rows = self._grammar_masks(sampled, logits.shape[-1])
-        tokens, logprobs = sample(logits, params, [len(r.output_ids) for r in sampled],
+        bitmask, rows = self._grammar_masks(reqs, logits.shape[-1])
+        tokens, logprobs = sample(logits, params, [len(r.output_ids) for r in reqs],
                                   self.generator, histories, bitmask, rows)
         outputs = []
-        for req, token, lp in zip(sampled, tokens, logprobs):
+        for req, token, lp in zip(reqs, tokens, logprobs):
             req.output_ids.append(token)
             self.stats["generated_tokens"] += 1
             outputs.append(self._token_output(req, token, lp))
         return outputs
+
+    def _verify(self, chunks, verify: list[int], rows, outputs) -> None:
+        """Accept drafts, emit the accepted tokens and the correction / bonus one by one
+        (stop conditions apply per token); commit the KV of what was kept."""
+        vchunks = [chunks[i] for i in verify]
+        res = self.spec.verify(vchunks, rows, [len(c.request.output_ids) for c in vchunks])
+        for c, lg, n_acc, tokens in zip(vchunks, rows, res.num_accepted, res.tokens):
+            req = c.request
+            want = req.sampling.logprobs
+            lps = lg.float().log_softmax(-1) if want is not None else None
+            if req.sampling.stop:  # stop strings: token by token, so one can end it anywhere
+                for j, token in enumerate(tokens):
+                    req.output_ids.append(token)
+                    self.stats["generated_tokens"] += 1
+                    lp = None if lps is None else token_logprobs(lps[j], token, want)
+                    out = self._token_output(req, token, lp)
+                    outputs.append(out)
+                    if out.finished:
+                        break
+            else:
+                outputs.append(self._tokens_output(req, tokens, lps, want))
+            if req.state == State.RUNNING:
+                self.scheduler.commit(c, n_acc)
+
+    def _tokens_output(self, req: Request, tokens: list[int], lps, want) -> RequestOutput:
+        """One output for a verify step's tokens (no stop strings, no grammar: drafts are off
+        for grammars), cut at the first stop token or length limit."""
+        reason, kept = None, []
+        for token in tokens:
+            req.output_ids.append(token)
+            kept.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                break
+        self.stats["generated_tokens"] += len(kept)
+        return self._output(req, kept, None if lps is None else
+                            [token_logprobs(lps[j], t, want) for j, t in enumerate(kept)], reason)
+
+    def _output(self, req: Request, tokens: list[int], logprobs, reason: str | None):
+        """The RequestOutput of tokens already appended to the request; `reason` ends it."""
+        text = req.detok.add(tokens) if req.detok is not None else ""
+        out = RequestOutput(req.request_id, tokens, text=text, logprobs=logprobs,
+                            num_prompt_tokens=len(req.prompt_ids),
+                            num_cached_tokens=req.num_cached_tokens)
+        if reason is not None:
+            if req.detok is not None:
+                out.text += req.detok.finish()
+            self._finish(req, reason, emit=False)
+            out.finished, out.finish_reason = True, reason
+        return out
 
     # ------------------------------------------------------------------ grammars
     def _grammar_compiler(self):
@@ -87,18 +158,8 @@ class OutputMixin:
                                  error=f"request {req.request_id!r}: token {token} is outside "
                                        "the request's grammar",
                                  num_prompt_tokens=len(req.prompt_ids))
-        text = req.detok.add([token]) if req.detok is not None else ""
-        out = RequestOutput(req.request_id, [token], text=text,
-                            logprobs=[lp] if lp is not None else None,
-                            num_prompt_tokens=len(req.prompt_ids),
-                            num_cached_tokens=req.num_cached_tokens)
-        reason = self._stop_reason(req, token)
-        if reason is not None:
-            if req.detok is not None:
-                out.text += req.detok.finish()
-            self._finish(req, reason, emit=False)
-            out.finished, out.finish_reason = True, reason
-        return out
+        return self._output(req, [token], [lp] if lp is not None else None,
+                            self._stop_reason(req, token))
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.sampling

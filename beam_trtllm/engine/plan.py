@@ -33,6 +33,7 @@ class BuildOptions:
     cuda_graph_batch_sizes: tuple[int, ...] = field(default=())
     autotune: str = "auto"           # kernel search on a matching GPU: auto | quick | off
     dtype: str = "bfloat16"          # activations and unquantized weights; float32: CPU only
+    draft_tokens: int = 0            # speculative decoding: drafts per step (0: no drafter)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -53,6 +54,8 @@ class BuildOptions:
         if self.kv_dtype is not None and self.kv_dtype not in kv_allowed:
             raise EngineError(f"--kv-dtype must be {' or '.join(kv_allowed)} for a {self.dtype} "
                               f"engine, got {self.kv_dtype!r}")
+        if not isinstance(self.draft_tokens, int) or self.draft_tokens < 0:
+            raise EngineError(f"--draft-tokens must be an integer >= 0, got {self.draft_tokens!r}")
         if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
             raise EngineError(f"--kv-memory must be > 0 GiB, got {self.kv_memory_gib!r}")
         if self.max_num_tokens < self.max_batch:
@@ -108,7 +111,8 @@ def kv_plan(cfg: BeamConfig, opts: BuildOptions, kv_dtype: str) -> KVPlan:
     sequence of --max-seq-len)."""
     elem = KV_DTYPE_BYTES[kv_dtype]
     per_block = len(cfg.full_layers) * 2 * opts.block_size * cfg.kv_size * elem
-    ring = len(cfg.sliding_layers) * 2 * (opts.max_batch + 1) * cfg.sliding_window * cfg.kv_size * elem
+    ring_len = cfg.sliding_window + opts.draft_tokens  # kv_cache.py: room for a verify step
+    ring = len(cfg.sliding_layers) * 2 * (opts.max_batch + 1) * ring_len * cfg.kv_size * elem
     per_seq_blocks = cdiv(opts.max_seq_len, opts.block_size)
     if opts.kv_memory_gib is None:
         num_blocks = opts.max_batch * per_seq_blocks

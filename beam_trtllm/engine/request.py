@@ -38,10 +38,21 @@ class Request:
     detok: object | None = None
     grammar: object | None = None     # xgrammar GrammarMatcher of a constrained request
     num_preemptions: int = 0
+    drafts: list[int] = field(default_factory=list)  # speculative: tokens the next step verifies
+    draft_cands: tuple | None = None  # (cand_ids [N, k], cand_scores [N, k]) of those drafts
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def ids_between(self, lo: int, hi: int) -> list[int]:
+        """all_ids[lo:hi] without building all_ids (a decode step of a 1M-token request)."""
+        n = len(self.prompt_ids)
+        if hi <= n:
+            return self.prompt_ids[lo:hi]
+        if lo >= n:
+            return self.output_ids[lo - n:hi - n]
+        return self.prompt_ids[lo:] + self.output_ids[:hi - n]
 
     @property
     def num_tokens(self) -> int:
@@ -54,13 +65,21 @@ class Request:
 
 @dataclass
 class Chunk:
-    """Work for one request in one step: positions [start, start + n)."""
+    """Work for one request in one step: positions [start, start + n). With speculative
+    decoding the last len(drafts) of them are draft tokens after the last known one (a verify
+    chunk: every row's logits are read)."""
 
     request: Request
     start: int
     n: int
+    drafts: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the last known token, so its logits give the next one."""
-        return self.start + self.n == self.request.num_tokens
+        return self.start + self.n - len(self.drafts) == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        req, known = self.request, self.n - len(self.drafts)
+        return req.ids_between(self.start, self.start + known) + list(self.drafts)

@@ -115,10 +115,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int
     if want:
         lp = raw[want].float().log_softmax(-1)
         for row, b in enumerate(want):
-            chosen = float(lp[row, token_list[b]])
-            top: tuple = ()
-            if params[b].logprobs:
-                vals, ids = lp[row].topk(params[b].logprobs)
-                top = tuple(zip(ids.tolist(), vals.tolist()))
-            logprobs[b] = TokenLogprobs(token_list[b], chosen, top)
+            logprobs[b] = token_logprobs(lp[row], token_list[b], params[b].logprobs)
     return token_list, logprobs
+
+
+def token_logprobs(lp: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:
+    """One row of log-softmaxed raw logits [V] -> the chosen token's entry and the top ones."""
+    top: tuple = ()
+    if num_top:
+        vals, ids = lp.topk(num_top)
+        top = tuple(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprobs(token, float(lp[token]), top)

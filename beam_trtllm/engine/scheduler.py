@@ -47,6 +47,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_uncomputed, budget)
+            drafts = tuple(req.drafts[:budget - 1]) if req.num_uncomputed == 1 else ()
+            if drafts and not self._ensure_blocks(req, req.num_computed + n + len(drafts)):
+                drafts = ()  # no blocks for the drafts: verify nothing rather than preempt
+            n += len(drafts)
             if not self._ensure_blocks(req, req.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -54,7 +58,7 @@ class Scheduler:
                 if victim is req:
                     break
                 continue
-            chunks.append(Chunk(req, req.num_computed, n))
+            chunks.append(Chunk(req, req.num_computed, n, drafts))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_batch:
@@ -99,14 +103,21 @@ class Scheduler:
         return Chunk(req, restart, n)
 
     # ------------------------------------------------------------------ after a step
-    def commit(self, chunk: Chunk) -> None:
-        """The chunk's KV is written: advance and make newly full blocks reusable."""
+    def commit(self, chunk: Chunk, num_accepted: int = 0) -> None:
+        """The chunk's KV is written: advance and make newly full blocks reusable. A verify
+        chunk keeps the KV of its known token and its `num_accepted` accepted drafts."""
         req = chunk.request
-        req.num_computed = chunk.start + chunk.n
+        req.num_computed = chunk.start + chunk.n - len(chunk.drafts) + num_accepted
         self.register_full_blocks(req)
+
+    def ensure_blocks(self, req: Request, num_tokens: int) -> bool:
+        """Blocks for positions < num_tokens (the drafter's block), if free ones are left."""
+        return self._ensure_blocks(req, num_tokens)
 
     def register_full_blocks(self, req: Request) -> None:
         full = min(req.num_computed // self.block_size, len(req.block_ids))
+        if len(req.hashes) >= full:  # no new full block (most decode steps)
+            return
         ids = req.all_ids
         bs = self.block_size
         while len(req.hashes) < full:
@@ -132,6 +143,7 @@ class Scheduler:
             self.kv.free_row(req.ring_row)
         req.block_ids, req.ring_row, req.hashes = [], None, []
         req.num_computed = req.full_cached = req.hist_start = 0
+        req.drafts, req.draft_cands = [], None  # drafted against KV that is gone
 
     def finish(self, req: Request, keep_kv: bool = False) -> None:
         """Leave the running set; free its KV unless it is pinned for export."""

@@ -1,0 +1,282 @@
+"""Speculative decoding with a DFlash2 drafter inside the engine (docs/SPECULATIVE.md).
+
+Per step, for every running request that decodes with drafts on:
+1. the target verifies [anchor, d_1..d_n] in one forward (a verify chunk: scheduler.py,
+   batch.py) and captures its residual stream at the drafter's `target_layer_ids`;
+2. `beam_trtllm.spec.verify` accepts a prefix of the drafts (greedy: exact match; sampled:
+   lossless rejection sampling) and adds the correction or bonus token;
+3. the drafter's context K/V of the tokens whose target states are now final (a prefill
+   chunk's, or the anchor and the accepted drafts) is written into its paged cache, which uses
+   the target's block ids, so prefix reuse and KV transfer carry it along;
+4. the drafter drafts the next block from the new anchor; with adaptive verification the
+   acceptance estimator and the measured step costs choose how many of them to verify.
+
+Requests whose logits are shaped by penalties, logit bias or a grammar, prefill-only requests
+and requests near their length limit decode without drafts (their outputs are unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .request import Chunk, Request, State
+from .types import EngineError
+
+from .draft_build import DRAFT_DIR  # noqa: F401  (an engine dir's drafter)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """`tokens`: drafts verified per step (at most the drafter's block size - 1; 0 = off);
+    `adaptive`: let the acceptance estimator and the step costs choose fewer; `draft`: a
+    drafter checkpoint dir (None: the engine dir's `draft/`)."""
+
+    tokens: int | None = None
+    adaptive: bool = False
+    draft: str | Path | None = None
+    compile: bool = True  # CUDA: torch.compile the draft step before capturing it (draft_graphs.py)
+
+    @classmethod
+    def from_json(cls, raw, where: str) -> "SpecConfig | None":
+        """The `speculative:` block of a graph YAML (None/false: off)."""
+        if raw in (None, False):
+            return None
+        if raw is True:
+            return cls()
+        if not isinstance(raw, dict):
+            raise EngineError(f"{where}: speculative must be a mapping, true or false")
+        extra = sorted(set(raw) - {"tokens", "adaptive", "draft", "compile"})
+        if extra:
+            raise EngineError(f"{where}: speculative has an unknown field {extra[0]!r} "
+                              "(fields: draft, tokens, adaptive, compile)")
+        tokens = raw.get("tokens")
+        if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
+            raise EngineError(f"{where}: speculative.tokens must be an integer >= 1, got {tokens!r}")
+        for key in ("adaptive", "compile"):
+            if not isinstance(raw.get(key, False), bool):
+                raise EngineError(f"{where}: speculative.{key} must be true or false")
+        return cls(tokens, raw.get("adaptive", False), raw.get("draft"), raw.get("compile", True))
+
+
+def find_draft_dir(engine_dir: Path, spec: SpecConfig) -> Path:
+    path = Path(spec.draft) if spec.draft is not None else engine_dir / DRAFT_DIR
+    if not (path / "config.json").is_file():
+        where = "speculative.draft" if spec.draft is not None else f"engine dir {engine_dir}"
+        raise EngineError(f"{where}: no drafter at {path} (config.json missing); build with "
+                          "`beam-trt build --draft DIR` or name a DFlash2 checkpoint dir")
+    return path
+
+
+class SpecDecoder:
+    """The drafter, its KV, the verifier and the adaptive budget of one engine."""
+
+    def __init__(self, engine, drafter, num_tokens: int, adaptive: bool,
+                 use_cuda_graphs: bool = True, compile: bool = True):
+        from ..draft import DraftKV
+
+        self.engine, self.drafter = engine, drafter
+        self.dcfg = drafter.cfg
+        block = self.dcfg.num_draft_tokens
+        if not 1 <= num_tokens <= block:
+            raise EngineError(f"speculative tokens {num_tokens}: the drafter drafts {block} "
+                              f"per step (its block_size {self.dcfg.block_size} counts the anchor)")
+        self.num_tokens, self.block = num_tokens, block
+        self.layers = tuple(self.dcfg.target_layer_ids)
+        plan = engine.kv_plan
+        self.kv = DraftKV(self.dcfg, plan.num_blocks, plan.block_size, engine.device,
+                          engine.model.act_dtype)
+        self.estimator = self.budget = None
+        if adaptive:
+            from ..spec.adaptive import AcceptanceEstimator
+
+            self.estimator = AcceptanceEstimator(num_tokens)
+        self.stats = {"spec_verify_steps": 0, "spec_drafted_tokens": 0,
+                      "spec_accepted_tokens": 0}
+        self.graphs = None
+        if engine.device.type == "cuda" and use_cuda_graphs and engine.options.cuda_graph_batch_sizes:
+            self.graphs = self.make_graphs(engine.options.cuda_graph_batch_sizes, compile=compile)
+
+    def make_graphs(self, sizes, capture: bool = True, compile: bool = False):
+        """The draft step's CUDA graphs (draft_graphs.py); capture=False: their buffers and
+        padding run eagerly (the CPU tests)."""
+        from .draft_graphs import DraftGraphs
+        from .plan import cdiv
+
+        eng = self.engine
+        width = cdiv(eng.options.max_seq_len + self.block + 1, eng.kv_plan.block_size)
+        return DraftGraphs(self.drafter, self.kv, tuple(sizes), width, eng.device, capture, compile)
+
+    def summary(self) -> str:
+        """'; drafts: mean acceptance length 3.2 (...)' for a CLI status line."""
+        st = self.stats
+        steps = st["spec_verify_steps"]
+        if not steps:
+            return "; drafts: no verify steps"
+        mean = (st["spec_accepted_tokens"] + steps) / steps
+        return (f"; drafts: {st['spec_accepted_tokens']}/{st['spec_drafted_tokens']} accepted, "
+                f"mean acceptance length {mean:.2f} over {steps} verify steps")
+
+    # ------------------------------------------------------------------ eligibility
+    def eligible(self, req: Request) -> bool:
+        p = req.sampling
+        return not (req.prefill_only or p.shapes_logits or p.structural_tag)
+
+    # ------------------------------------------------------------------ context K/V
+    def context_slots(self, chunks: list[Chunk]) -> list[int]:
+        """Per token row of the step: the drafter-cache slot its context K/V goes to once
+        final (-1: a prefix-cached position, whose K/V the shared block holds already)."""
+        bs = self.engine.kv_plan.block_size
+        slots = []
+        for c in chunks:
+            req = c.request
+            for p in range(c.start, c.start + c.n):
+                slots.append(-1 if p < req.full_cached
+                             else req.block_ids[p // bs] * bs + p % bs)
+        return slots
+
+    def write_context(self, chunks: list[Chunk], hidden: torch.Tensor, slots: list[int]) -> None:
+        """Context K/V of every row of the step (`slots`: context_slots). A verify chunk's
+        rejected rows are written too: their positions are at or past the next anchor's, so
+        the next draft block overwrites them before any query reads them (and the block of a
+        request that stops drafting is never read), which keeps this step free of the
+        verification's outcome: the CUDA-graph steps do it inside the graph (`in_graph`)."""
+        if all(s < 0 for s in slots):
+            return
+        dev = self.engine.device
+        positions = [p for c in chunks for p in range(c.start, c.start + c.n)]
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        self.in_graph(hidden, pos, torch.tensor(slots, dtype=torch.int64, device=dev))
+
+    def in_graph(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Device-only: the drafter's context K/V of `hidden` rows into its cache at `slots`
+        (-1: the scratch slot). Captured by the target's decode and verify graphs."""
+        k, v = self.drafter.context_kv(hidden, positions)
+        self.kv.write(slots, k, v)
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, reqs: list[Request]) -> None:
+        """Draft the next block for each request (its last output token is the anchor)."""
+        sched = self.engine.scheduler
+        go = []
+        for req in reqs:
+            req.drafts, req.draft_cands = [], None
+            room = min(req.sampling.max_tokens - len(req.output_ids),
+                       req.max_total - req.num_tokens) - 1
+            if req.state != State.RUNNING or room < 1 or not self.eligible(req):
+                continue
+            # the drafter writes its block's K/V at P0..P0+N: blocks must exist there
+            if sched.ensure_blocks(req, req.num_tokens + self.block):
+                go.append((req, room))
+        if not go:
+            return
+        dev = self.engine.device
+        width = max(len(r.block_ids) for r, _ in go)
+        table = torch.zeros(len(go), width, dtype=torch.int32)
+        for b, (r, _) in enumerate(go):
+            table[b, :len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+        anchors = torch.tensor([r.output_ids[-1] for r, _ in go], dtype=torch.int64, device=dev)
+        start = torch.tensor([r.num_tokens - 1 for r, _ in go], dtype=torch.int64, device=dev)
+        temps = [float(r.sampling.temperature) for r, _ in go]
+        uniforms = None
+        if any(t > 0 for t in temps):
+            from ..spec.verify import draft_uniforms
+
+            reqs = [r for r, _ in go]
+            uniforms = draft_uniforms([r.sampling for r in reqs],
+                                      [len(r.output_ids) for r in reqs], self.block,
+                                      self.engine.generator, dev)
+        temps_t = torch.tensor(temps, dtype=torch.float32, device=dev)
+        if self.graphs is not None and len(go) <= self.graphs.max_batch:
+            out = self.graphs.run(anchors, start, table.to(dev), uniforms, temps_t)
+        else:
+            out = self.drafter.draft(self.kv, anchors, start, table.to(dev), uniforms, temps_t)
+        counts = self._admit(out, temps, [room for _, room in go])
+        tokens = out.tokens.tolist()
+        # a graph's outputs are its static buffers: the next replay overwrites them
+        cand_ids, cand_scores = out.cand_ids.clone(), out.cand_scores.clone()
+        for b, (r, _) in enumerate(go):
+            r.drafts = tokens[b][:counts[b]]
+            r.draft_cands = (cand_ids[b], cand_scores[b])
+            self.stats["spec_drafted_tokens"] += counts[b]
+
+    def _admit(self, out, temps: list[float], rooms: list[int]) -> list[int]:
+        """Drafts to verify per request: `num_tokens` (and the room left), or with adaptive
+        verification the estimator's survival-ranked prefix the budget admits."""
+        n = [min(self.num_tokens, room) for room in rooms]
+        if self.estimator is None:
+            return n
+        t = torch.tensor(temps, dtype=torch.float32, device=out.cand_scores.device)
+        feats = self.estimator.features(out.cand_scores[:, :self.num_tokens], t)
+        self._last_features = feats
+        probs = self.estimator.predict(feats).cpu()
+        survival = probs.cumprod(dim=1).tolist()
+        if self.budget is None:
+            self.budget = self._profile()
+        # the next step: every running request emits a token and feeds one non-draft token
+        # (its anchor; prefill chunks of new requests are not known yet)
+        running = max(len(self.engine.scheduler.running), len(rooms))
+        admitted = self.budget.choose([s[:k] for s, k in zip(survival, n)], running, running)
+        return [min(a, k) for a, k in zip(admitted, n)]
+
+    def _profile(self):
+        """Measured draft and verify step costs (spec §8), before the first adaptive step."""
+        from ..spec.adaptive import DraftBudget, profile_costs
+
+        eng = self.engine
+        sync = (lambda: torch.cuda.synchronize(eng.device)) if eng.device.type == "cuda" \
+            else (lambda: None)
+        draft_cost, verify_cost = profile_costs(
+            self._dummy_draft, self._dummy_verify,
+            sizes=_sizes(eng.options.max_batch, eng.options.max_num_tokens), sync=sync)
+        return DraftBudget(draft_cost, verify_cost)
+
+    def _dummy_draft(self, r: int) -> None:
+        dev = self.engine.device
+        table = torch.full((r, 1), self.engine.kv_plan.num_blocks - 1, dtype=torch.int32,
+                           device=dev)
+        zeros = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.drafter.draft(self.kv, zeros, zeros, table, None,
+                           torch.zeros(r, dtype=torch.float32, device=dev))
+
+    def _dummy_verify(self, t: int) -> None:
+        self.engine.model_cost_probe(t)
+
+    # ------------------------------------------------------------------ verification
+    def verify(self, chunks: list[Chunk], logits: list[torch.Tensor], indices: list[int]):
+        """logits[i]: [1 + len(drafts), V] rows of verify chunk i -> VerifyResult."""
+        from ..spec.verify import uniform_source, verify
+
+        n = max(len(c.drafts) for c in chunks)
+        vocab = logits[0].shape[-1]
+        dev = logits[0].device
+        target = torch.full((len(chunks), n + 1, vocab), float("-inf"), device=dev)
+        drafts = torch.zeros(len(chunks), n, dtype=torch.int64, device=dev)
+        k = chunks[0].request.draft_cands[0].shape[-1]
+        cand_ids = torch.zeros(len(chunks), n, k, dtype=torch.int64, device=dev)
+        cand_scores = torch.zeros(len(chunks), n, k, dtype=torch.float32, device=dev)
+        for b, (c, rows) in enumerate(zip(chunks, logits)):
+            m = len(c.drafts)
+            target[b, :m + 1] = rows
+            drafts[b, :m] = torch.tensor(c.drafts, dtype=torch.int64, device=dev)
+            ids, scores = c.request.draft_cands
+            cand_ids[b, :m], cand_scores[b, :m] = ids[:m], scores[:m].float()
+        params = [c.request.sampling for c in chunks]
+        num = [len(c.drafts) for c in chunks]
+        res = verify(target, drafts, num, cand_ids, cand_scores, params,
+                     uniform_source(params, indices, self.engine.generator, dev))
+        self.stats["spec_verify_steps"] += len(chunks)
+        self.stats["spec_accepted_tokens"] += sum(res.num_accepted)
+        if self.estimator is not None:
+            t = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+            self.estimator.observe(self.estimator.features(cand_scores, t), num, res.num_accepted)
+        return res
+
+
+def _sizes(max_batch: int, max_tokens: int) -> tuple[list[int], list[int]]:
+    rs = sorted({1, 2, 4, 8, 16, 32, 64, 128, max_batch} & set(range(1, max_batch + 1)))
+    ts = sorted({t for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, max_tokens) if t <= max_tokens})
+    return rs, ts
+
