@@ -210,7 +210,6 @@ class SpecDecoder:
             return n
         t = torch.tensor(temps, dtype=torch.float32, device=out.cand_scores.device)
         feats = self.estimator.features(out.cand_scores[:, :self.num_tokens], t)
-        self._last_features = feats
         probs = self.estimator.predict(feats).cpu()
         survival = probs.cumprod(dim=1).tolist()
         if self.budget is None:
@@ -234,12 +233,13 @@ class SpecDecoder:
         return DraftBudget(draft_cost, verify_cost)
 
     def _dummy_draft(self, r: int) -> None:
-        dev = self.engine.device
-        table = torch.full((r, 1), self.engine.kv_plan.num_blocks - 1, dtype=torch.int32,
-                           device=dev)
-        zeros = torch.zeros(r, dtype=torch.int64, device=dev)
-        self.drafter.draft(self.kv, zeros, zeros, table, None,
-                           torch.zeros(r, dtype=torch.float32, device=dev))
+        """A draft step of r requests that touches no live cache: at negative positions every
+        slot it writes or reads is the drafter cache's scratch slot (DraftKV.slots_of)."""
+        dev, c = self.engine.device, self.dcfg
+        table = torch.zeros((r, 1), dtype=torch.int32, device=dev)
+        start = torch.full((r,), -(c.block_size + c.sliding_window), dtype=torch.int64, device=dev)
+        self.drafter.draft(self.kv, torch.zeros(r, dtype=torch.int64, device=dev), start, table,
+                           None, torch.zeros(r, dtype=torch.float32, device=dev))
 
     def _dummy_verify(self, t: int) -> None:
         self.engine.model_cost_probe(t)
