@@ -14,7 +14,6 @@ this accepts loads in both:
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -165,15 +164,14 @@ class DraftConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DraftConfig":
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise DraftError(f"{file}: no drafter config.json")
+        """A drafter dir or its config.json (read as the target's is: config_json.read_raw)."""
+        from ..config_json import ConfigError, read_raw
+
         try:
-            raw = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise DraftError(f"{file}: not JSON ({exc})") from None
-        return cls.from_dict(raw, str(file))
+            raw, where = read_raw(Path(path))
+        except ConfigError as exc:
+            raise DraftError(f"drafter config: {exc}") from None
+        return cls.from_dict(raw, where)
 
     def to_dict(self) -> dict[str, Any]:
         """config.json as vLLM and SGLang read it (transformers loads it as a `beam` config)."""
