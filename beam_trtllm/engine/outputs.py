@@ -39,9 +39,9 @@ class OutputMixin:
                 continue
             self.scheduler.commit(c)
             if c.samples:
-                sampled.append((req, logits[row]))
+                sampled.append((req, row))
                 row += 1
-        outputs = self._sample_rows(sampled) if sampled else []
+        outputs = self._sample_rows(sampled, logits) if sampled else []
         if verify:
             self._verify(chunks, verify, rows, outputs)
         if self.spec is not None:
@@ -50,9 +50,13 @@ class OutputMixin:
             self.spec.propose(anchors)
         return outputs
 
-    def _sample_rows(self, sampled) -> list[RequestOutput]:
+    def _sample_rows(self, sampled, logits) -> list[RequestOutput]:
+        """sampled: (request, its row of `logits`). Without verify chunks the rows are all of
+        `logits` in order, which is used as it is (no copy of a [B, V] tensor per step)."""
         reqs = [r for r, _ in sampled]
-        logits = torch.stack([lg for _, lg in sampled])
+        picked = [i for _, i in sampled]
+        if picked != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
         params = [r.sampling for r in reqs]
         histories = ([(r.prompt_ids, r.output_ids) for r in reqs]
                      if any(p.shapes_logits for p in params) else None)
