@@ -119,9 +119,11 @@ def init_tiny_cmd(out_dir, seed, trained):
               "(copied to ENGINE_DIR/draft/).")
 @click.option("--draft-tokens", default=0, help="Drafts verified per step [default: the "
               "drafter's block_size - 1].")
+@click.option("--draft-quant", default="auto", show_default=True, help="The drafter's weights: "
+              "auto (fp8 when the target's are quantized), bf16 or fp8 (per channel).")
 def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_tokens, kv_dtype,
               dtype, kv_memory, block_size, cuda_graph_batch_sizes, autotune, overwrite, tp, ep,
-              attention_dp, draft, draft_tokens):
+              attention_dp, draft, draft_tokens, draft_quant):
     """Build an engine dir (repacked weights, KV plan, tokenizer) from a converted checkpoint."""
     from .checkpoint import CheckpointError
     from .engine.build import build_engine
@@ -137,7 +139,9 @@ def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_toke
                             max_num_tokens=max_num_tokens, kv_dtype=kv_dtype,
                             kv_memory_gib=kv_memory, block_size=block_size,
                             cuda_graph_batch_sizes=sizes, autotune=autotune, dtype=dtype,
-                            draft_tokens=draft_tokens)
+                            draft_tokens=draft_tokens, draft_quant=draft_quant)
+        if draft is None and draft_quant != "auto":
+            raise EngineError(f"--draft-quant {draft_quant}: there is no drafter (add --draft DIR)")
         parallel = None
         if (tp, ep, attention_dp) != (1, 1, False):
             from .engine.parallel import ParallelMapping

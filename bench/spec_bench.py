@@ -65,7 +65,8 @@ def bench_prompts(tokenizer, n: int, seed: int = 1234) -> list[list[int]]:
     code = []
     for rel in stdlib_files(root):
         text = read_source(root, rel) if is_heldout(rel) else None
-        for _ in range(min(4, len(text) // 2000) if text else 0):  # a few windows per file
+        # a few windows per file (8 at most: Python 3.12's stdlib has fewer held-out files)
+        for _ in range(min(8, len(text) // 2000) if text else 0):
             at = rng.randrange(0, len(text) - 400)
             code.append(text[at:at + 300])
     rng.shuffle(code)
@@ -74,17 +75,34 @@ def bench_prompts(tokenizer, n: int, seed: int = 1234) -> list[list[int]]:
     return [p[-400:] for p in prompts][:n]
 
 
-def run(engine, prompts, max_tokens: int, batch: int) -> tuple[list[list[int]], float]:
-    """Greedy outputs of `prompts`, `batch` at a time; (outputs, output tokens/s)."""
-    outs, tokens, t0 = [], 0, time.perf_counter()
+def run(engine, prompts, max_tokens: int, batch: int) -> tuple[list[list[int]], float, float]:
+    """Greedy outputs of `prompts`, `batch` at a time -> (outputs, output tokens/s end to end,
+    decode tokens/s). Decode: the tokens after each request's first over the time after the
+    batch's last first token (the prefill and the first token excluded: what drafts speed up)."""
+    outs, tokens, decode_tokens, decode_s = [], 0, 0, 0.0
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sync()
+    t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        res = engine.generate(prompts[i:i + batch], SamplingParams(max_tokens=max_tokens,
-                                                                   ignore_eos=True))
-        outs += [r["token_ids"] for r in res]
-        tokens += sum(len(r["token_ids"]) for r in res)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    return outs, tokens / (time.perf_counter() - t0)
+        ids = [f"bench-{i + j}" for j in range(len(prompts[i:i + batch]))]
+        for rid, prompt in zip(ids, prompts[i:i + batch]):
+            engine.add_request(rid, prompt, sp)
+        got = {rid: [] for rid in ids}
+        first = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id in got:
+                    got[out.request_id] += out.new_token_ids
+            if first is None and all(got.values()):
+                first = time.perf_counter()
+        sync()
+        decode_s += time.perf_counter() - (first or time.perf_counter())
+        outs += [got[r] for r in ids]
+        tokens += sum(len(got[r]) for r in ids)
+        decode_tokens += sum(len(got[r]) - 1 for r in ids)
+    total = time.perf_counter() - t0
+    return outs, tokens / total, decode_tokens / decode_s if decode_s else float("nan")
 
 
 def tiny_part(args, work: Path) -> dict:
@@ -96,9 +114,9 @@ def tiny_part(args, work: Path) -> dict:
     engines = {m: Engine.from_dir(path, device=args.device, speculative=s) for m, s in modes.items()}
     prompts = bench_prompts(engines["off"].tokenizer, args.prompts)
     res = {"prompts": len(prompts), "max_tokens": args.max_tokens, "lossless": {}, "speed": []}
-    ref, _ = run(engines["off"], prompts, args.max_tokens, 8)
+    ref, _, _ = run(engines["off"], prompts, args.max_tokens, 8)
     for m in ("fixed", "adaptive"):
-        got, _ = run(engines[m], prompts, args.max_tokens, 8)
+        got, _, _ = run(engines[m], prompts, args.max_tokens, 8)
         same = sum(a == b for a, b in zip(ref, got))
         first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
                  for a, b in zip(ref, got)]
@@ -110,15 +128,15 @@ def tiny_part(args, work: Path) -> dict:
         for m, eng in engines.items():
             run(eng, sub, args.max_tokens, batch)  # warm-up: every shape's kernels compiled
             before = dict(eng.stats) | (eng.spec.stats if eng.spec else {})
-            _, tps = run(eng, sub, args.max_tokens, batch)
-            row = {"batch": batch, "mode": m, "tokens_per_s": tps}
+            _, tps, decode = run(eng, sub, args.max_tokens, batch)
+            row = {"batch": batch, "mode": m, "tokens_per_s": tps, "decode_tokens_per_s": decode}
             if eng.spec is not None:
                 st = eng.spec.stats
                 steps = st["spec_verify_steps"] - before["spec_verify_steps"]
                 acc = st["spec_accepted_tokens"] - before["spec_accepted_tokens"]
                 row["mean_acceptance_length"] = (acc + steps) / steps if steps else None
             res["speed"].append(row)
-            log(f"batch {batch} {m}: {tps:.0f} tok/s"
+            log(f"batch {batch} {m}: {tps:.0f} tok/s, decode {decode:.0f} tok/s"
                 + (f", acceptance length {row.get('mean_acceptance_length') or 0:.2f}"
                    if m != "off" else ""))
     return res
@@ -175,11 +193,12 @@ def markdown(res: dict) -> str:
     if tiny:
         out += ["| drafts | identical greedy outputs |", "| --- | --- |"]
         out += [f"| {m} | {v['identical']}/{v['of']} |" for m, v in tiny["lossless"].items()]
-        out += ["", "| batch | drafts | tokens/s | mean acceptance length |", "| ---: | --- | ---: | ---: |"]
+        out += ["", "| batch | drafts | tokens/s end to end | decode tokens/s | mean acceptance "
+                "length |", "| ---: | --- | ---: | ---: | ---: |"]
         for r in tiny["speed"]:
             acc = r.get("mean_acceptance_length")
             out.append(f"| {r['batch']} | {r['mode']} | {r['tokens_per_s']:.0f} | "
-                       f"{'' if acc is None else f'{acc:.2f}'} |")
+                       f"{r['decode_tokens_per_s']:.0f} | {'' if acc is None else f'{acc:.2f}'} |")
     fw = res.get("full_width")
     if fw:
         out += ["", "| batch | layer | kind | decode ms | verify ms | verify / decode |",

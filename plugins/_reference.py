@@ -68,10 +68,15 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int,
           topk_group: int, top_k: int, renormalize: bool = True):
-    """Beam's group-limited sigmoid router, all FP32 (transformers' BeamTopKRouter).
+    """Beam's group-limited sigmoid router in FP32 (transformers' BeamTopKRouter; its logits
+    rounded once from FP64 dots).
     x [N, H] -> (ids int64 [N, k], weights fp32 [N, k]); the routed scale is not applied here
     (it multiplies the summed expert output)."""
-    scores = torch.sigmoid(F.linear(x.float(), weight.float()))  # [N, E]
+    # the logits' dots in FP64, rounded once: a row's value is then independent of how many
+    # rows share the call (CPU FP32 GEMMs pick kernels by row count, so a decode row and the
+    # same row in a verify step could differ by an ULP); within ULPs of transformers' FP32
+    logits = F.linear(x.double(), weight.double()).float()
+    scores = torch.sigmoid(logits)  # [N, E]
     biased = scores + bias.float()
     n, e = scores.shape
     grouped = biased.view(n, n_group, e // n_group)

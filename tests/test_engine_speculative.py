@@ -125,8 +125,8 @@ def test_verify_graph_padding_matches_eager(spec_engine_dir, engines):
     kw = dict(capture=False, sizes=(1, 4), capture_layers=eng.capture, ring_len=eng.kv.ring_len,
               after=eng.spec.in_graph)  # the drafter context inside the graph, as on CUDA
     eng.graphs = DecodeGraphs(eng.model, eng.options, eng.kv_plan, eng.cfg, eng.device, **kw)
-    eng.verify_graphs = DecodeGraphs(eng.model, eng.options, eng.kv_plan, eng.cfg, eng.device,
-                                     tokens_per_seq=1 + n, **kw)
+    eng.verify_graphs = {n: DecodeGraphs(eng.model, eng.options, eng.kv_plan, eng.cfg,
+                                         eng.device, tokens_per_seq=1 + n, **kw)}
     eng.spec.graphs = eng.spec.make_graphs((1, 4), capture=False)  # the draft step's
     prompts = chat_prompts(eng, 3, seed=3)
     got = [r["token_ids"] for r in eng.generate(prompts, greedy(30))]

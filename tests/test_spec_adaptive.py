@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from beam_trtllm.spec import (AcceptanceEstimator, CostCurve, DraftBudget, SpecError,
+from beam_trtllm.spec import (AcceptanceEstimator, CostCurve, DraftBudget, GraphBudget, SpecError,
                               observed_labels, profile_costs, profile_sizes, survival)
 from conftest import tol
 
@@ -213,3 +213,44 @@ def test_profile_sizes_add_the_tail_past_the_graphs():
     assert profile_sizes([1, 2, 4, 8], 64) == [1, 2, 4, 8, 12, 16, 32, 64]
     assert profile_sizes([], 10) == [1, 2, 4, 8, 10]
     assert profile_sizes([1, 2, 512], 100) == [1, 2, 3, 4, 8, 16, 32, 64, 100]
+
+
+def test_graph_budget_picks_the_count_of_the_best_rate():
+    """Graph steps cost their captured graph's time: with survival 0.9, 0.8, 0.1, 0.05 and a
+    verify graph that costs 1 + n/2 ms, n = 2 wins (1 + 1.7 tokens / 2.5 ms beats n = 1's
+    1.9 / 2, n = 4's 2.85 / 3.5); a large host time per step makes every step dearer alike,
+    so more drafts pay: n = 4."""
+    draft = {1: 1e-3, 8: 1e-3}
+    verify = {(b, n): (0.5 + n / 2) * 1e-3 for b in (1, 8) for n in (1, 2, 4)}
+    budget = GraphBudget(draft, verify)
+    row = [0.9, 0.8, 0.1, 0.05]
+    assert budget.step_cost(1, 3) == pytest.approx(1e-3 + 2.5e-3)  # padded to the n = 4 graph
+    assert budget.choose([row]) == 2
+    assert budget.choose([row], host_seconds=20e-3) == 4
+    assert budget.choose([row[:1], row]) == 1  # one request has room for one draft only
+    assert GraphBudget(draft, {k: 1e-3 for k in verify}).choose([row]) == 4  # flat: all
+
+
+def test_graph_budget_refuses_a_missing_graph_cost():
+    with pytest.raises(SpecError, match="batch 8, 2 drafts"):
+        GraphBudget({1: 1e-3, 8: 1e-3}, {(1, 1): 1e-3, (1, 2): 1e-3, (8, 1): 1e-3})
+    with pytest.raises(SpecError, match="survival"):
+        GraphBudget({1: 1e-3}, {(1, 1): 1e-3}).choose([[0.5, 0.9]])
+
+
+def test_observing_several_steps_at_once_is_observing_them_in_turn():
+    """The engine folds ten verify steps in one call: between refits the statistics and the
+    refit that follows are the same as folding the steps one by one."""
+    gen = torch.Generator().manual_seed(5)
+    steps = [(torch.randn(3, 4, generator=gen) * 2, [4, 2, 3], [1, 2, 0]) for _ in range(20)]
+    one, batched = AcceptanceEstimator(4), AcceptanceEstimator(4)
+    one.REFIT_INTERVAL = batched.REFIT_INTERVAL = 20
+    for f, n, a in steps:
+        one.observe(f, n, a)
+    for lo in (0, 10):
+        chunk = steps[lo:lo + 10]
+        batched.observe(torch.cat([f for f, _, _ in chunk]), sum((n for _, n, _ in chunk), []),
+                        sum((a for _, _, a in chunk), []), steps=10)
+    assert one.refits == batched.refits == 1
+    torch.testing.assert_close(batched.slope, one.slope, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(batched.intercepts, one.intercepts, rtol=1e-12, atol=1e-12)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from beam_trtllm.config import PRESETS
+from conftest import tol
 from plugins._reference import (apply_rope, attention_mask, residual_add, rms_norm, route,
                                 ssmax_scale)
 
@@ -108,7 +109,9 @@ def test_router_matches_brute_force_over_group_subsets():
                 assert math.isclose(got[e], want[e], rel_tol=1e-5)
 
 
-def test_router_is_transformers_bit_for_bit():
+def test_router_is_transformers():
+    """Ids exact; weights within the ULPs of transformers' FP32 logit GEMM (route's dots are
+    FP64, rounded once, so its rows do not depend on the batch)."""
     from transformers.models.beam.modeling_beam import BeamTopKRouter
 
     from beam_trtllm.hf_model import hf_config
@@ -121,7 +124,8 @@ def test_router_is_transformers_bit_for_bit():
     _, w_hf, ids_hf = router(x)
     ids, w = route(x, router.weight, router.e_score_correction_bias, TINY.n_group,
                    TINY.topk_group, TINY.num_experts_per_tok)
-    assert torch.equal(ids, ids_hf) and torch.equal(w, w_hf)
+    assert torch.equal(ids, ids_hf)
+    torch.testing.assert_close(w, w_hf, **tol("router-logits-fp32-gemm", torch.float32))
 
 
 def test_residual_keeps_unit_variance_and_weights_sublayers_equally():

@@ -6,7 +6,9 @@ activation dtype; RMSNorm in FP32 rounded once; the grouped conv in FP32 rounded
 activation dtype, its residual add in FP32 rounded to the residual's dtype, then RMSNorm;
 q/k norm rounded before RoPE (FP32 angles, one rounding); SiLU(gate)*up in FP32 rounded once;
 the selector's A*P rounded to the activation dtype, its FP32 dot rounded, the unary logit
-cap*tanh(m*z/cap) added in FP32. With FP32 activations every rounding is exact.
+cap*tanh(m*z/cap) added in FP32. With FP32 activations every rounding is exact. A quantized
+drafter's FP8 Linears (quant.py) run beam::linear_fp8_channel: the input quantized per token,
+the FP32 sum scaled and rounded once to the activation dtype.
 """
 
 from __future__ import annotations
@@ -56,9 +58,20 @@ def grouped_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor,
     return out
 
 
+def linear(w: dict, module: str, x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T of drafter Linear `module`: F.linear for a float weight; FP8 codes with their
+    per-channel `weight_scale` (a quantized drafter, quant.py) run beam::linear_fp8_channel,
+    which quantizes x per token inside the op. The choice is the weight's dtype (static
+    metadata: no host read, one graph per drafter)."""
+    weight = w[module + ".weight"]
+    if weight.dtype == torch.float8_e4m3fn:
+        return torch.ops.beam.linear_fp8_channel(x, weight, w[module + ".weight_scale"])
+    return F.linear(x, weight)
+
+
 def conv_coefficients(w: dict, prefix: str, x: torch.Tensor, cfg: DraftConfig) -> torch.Tensor:
     """delta [R, B, 2 (input / output side), K, G] from the sublayer's normalized input."""
-    c = F.linear(x, w[prefix + ".kernel_projection.weight"])
+    c = linear(w, prefix + ".kernel_projection", x)
     return c.unflatten(-1, (2, cfg.conv_kernel_size, cfg.conv_groups))
 
 
@@ -79,16 +92,16 @@ def layer_kv(w: dict, i: int, x: torch.Tensor, positions: torch.Tensor, inv_freq
              cfg: DraftConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer i's K (k_norm, RoPE) and V of inputs x [..., T, H] at positions [..., T]."""
     p = f"layers.{i}.self_attn."
-    k = head_split(F.linear(x, w[p + "k_proj.weight"]), cfg.num_key_value_heads)
+    k = head_split(linear(w, p + "k_proj", x), cfg.num_key_value_heads)
     k = rope(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), positions, inv_freq)
-    v = head_split(F.linear(x, w[p + "v_proj.weight"]), cfg.num_key_value_heads)
+    v = head_split(linear(w, p + "v_proj", x), cfg.num_key_value_heads)
     return k, v
 
 
 def layer_q(w: dict, i: int, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
             cfg: DraftConfig) -> torch.Tensor:
     p = f"layers.{i}.self_attn."
-    q = head_split(F.linear(x, w[p + "q_proj.weight"]), cfg.num_attention_heads)
+    q = head_split(linear(w, p + "q_proj", x), cfg.num_attention_heads)
     return rope(rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps), positions, inv_freq)
 
 
@@ -113,9 +126,9 @@ def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> tor
 
 def mlp(w: dict, i: int, y: torch.Tensor) -> torch.Tensor:
     p = f"layers.{i}.mlp."
-    gate, up = F.linear(y, w[p + "gate_proj.weight"]), F.linear(y, w[p + "up_proj.weight"])
+    gate, up = linear(w, p + "gate_proj", y), linear(w, p + "up_proj", y)
     act = (F.silu(gate.float()) * up.float()).to(y.dtype)
-    return F.linear(act, w[p + "down_proj.weight"])
+    return linear(w, p + "down_proj", act)
 
 
 def decoder_layer(w: dict, i: int, u: torch.Tensor, residual: torch.Tensor,
@@ -132,7 +145,7 @@ def decoder_layer(w: dict, i: int, u: torch.Tensor, residual: torch.Tensor,
     k, v = layer_kv(w, i, u_in, positions, inv_freq, cfg)
     keys_all, values_all, visible = keys(i, k, v)
     q = layer_q(w, i, u_in, positions, inv_freq, cfg)
-    a = F.linear(attend(q, keys_all, values_all, visible), w[p + "self_attn.o_proj.weight"])
+    a = linear(w, p + "self_attn.o_proj", attend(q, keys_all, values_all, visible))
     y, residual = residual_conv_norm(a, delta[:, :, 1], base[1], residual,
                                      w[p + "post_attention_layernorm.weight"], cfg)
     delta = conv_coefficients(w, p + "mlp_conv", y, cfg)
@@ -155,7 +168,7 @@ def block_forward(w: dict, embeds: torch.Tensor, positions: torch.Tensor, keys,
 
 def project_context(w: dict, hidden: torch.Tensor, cfg: DraftConfig) -> torch.Tensor:
     """c = RMSNorm(W_fc x; hidden_norm), x = the target states concatenated [..., n * H]."""
-    return rms_norm(F.linear(hidden, w["fc.weight"]), w["hidden_norm.weight"], cfg.rms_norm_eps)
+    return rms_norm(linear(w, "fc", hidden), w["hidden_norm.weight"], cfg.rms_norm_eps)
 
 
 def unary_logits(z: torch.Tensor, cfg: DraftConfig) -> torch.Tensor:
@@ -175,7 +188,7 @@ def edge_scores(w: dict, h: torch.Tensor, ids: torch.Tensor, unary: torch.Tensor
                 predecessors: torch.Tensor) -> torch.Tensor:
     """S[.., p, i] = u[.., i] + <A[pred_p] * P, Bc[c_i]>. h [.., H], ids / unary [.., k],
     predecessors [.., kp] token ids -> [.., kp, k] FP32."""
-    proj = F.linear(h, w["candidate_selector.hidden_projection.weight"])  # [.., r]
+    proj = linear(w, "candidate_selector.hidden_projection", h)  # [.., r]
     pred = w["candidate_selector.predecessor_codebook"][predecessors]  # [.., kp, r]
     weighted = (pred.float() * proj.float()[..., None, :]).to(h.dtype)
     succ = w["candidate_selector.successor_codebook"][ids]  # [.., k, r]

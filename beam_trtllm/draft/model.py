@@ -24,7 +24,18 @@ import torch
 from . import layers as L
 from .config import DraftConfig, DraftError
 from .kv import DraftKV
-from .weights import check_tensors, load_draft_weights
+from .quant import SCALE_SUFFIX, fp8_modules
+from .weights import check_tensors, fp8_modules_of, load_draft_weights
+
+
+def _placed(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A weight on the device in the activation dtype; FP8 codes as they are and their scales
+    in FP32 (beam::linear_fp8_channel's operands)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.to(device)
+    if name.endswith(SCALE_SUFFIX):
+        return t.to(device, torch.float32)
+    return t.to(device, dtype)
 
 
 class DraftOutput(NamedTuple):
@@ -37,14 +48,23 @@ class DFlash2Drafter:
     def __init__(self, dcfg: DraftConfig, weights: dict[str, torch.Tensor],
                  embed_tokens: torch.Tensor, lm_head: torch.Tensor,
                  device: torch.device | str, dtype: torch.dtype):
-        check_tensors(dcfg, {n: tuple(t.shape) for n, t in weights.items()}, "drafter weights")
+        fp8 = fp8_modules_of(weights)
+        bad = sorted(set(fp8) - set(fp8_modules(dcfg)))
+        if bad:
+            raise DraftError(f"drafter weights: tensor {bad[0]}.weight is FP8, but the drafter "
+                             "keeps it unquantized (the precision tables of draft/quant.py)")
+        check_tensors(dcfg, {n: tuple(t.shape) for n, t in weights.items()}, "drafter weights",
+                      fp8)
         want = (dcfg.vocab_size, dcfg.hidden_size)
         for name, t in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
             if tuple(t.shape) != want:
                 raise DraftError(f"the target's {name} is {list(t.shape)}, the drafter needs "
                                  f"{list(want)}")
         self.cfg, self.dtype, self.device = dcfg, dtype, torch.device(device)
-        self.w = {n: t.to(self.device, dtype) for n, t in weights.items()}
+        self.fp8_modules = fp8
+        self.w = {n: _placed(n, t, self.device, dtype) for n, t in weights.items()}
+        if fp8:
+            import plugins  # noqa: F401  (registers torch.ops.beam.linear_fp8_channel)
         self.embed = embed_tokens.to(self.device, dtype)
         self.lm_head = lm_head.to(self.device, dtype)
         self._constants()

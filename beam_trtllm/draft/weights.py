@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import DraftConfig, DraftError
+from .quant import QUANT_FILE, SCALE_SUFFIX, check_scales, check_stored_dtypes, read_quant
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,8 +32,9 @@ DROPPED = ("embed_tokens.weight",)  # the target's; vLLM replaces what a checkpo
 STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def expected_tensors(c: DraftConfig) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> shape, in a fixed order."""
+def expected_tensors(c: DraftConfig, fp8: tuple[str, ...] = ()) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape, in a fixed order; `fp8`: quantized modules (quant.py), whose
+    per-channel `weight_scale` [N] follows each one's weight."""
     h, d, taps, g = c.hidden_size, c.head_dim, c.conv_kernel_size, c.conv_groups
     q, kv, inter = c.num_attention_heads * d, c.num_key_value_heads * d, c.intermediate_size
     out = {"fc.weight": (h, len(c.target_layer_ids) * h), "hidden_norm.weight": (h,)}
@@ -55,7 +57,15 @@ def expected_tensors(c: DraftConfig) -> dict[str, tuple[int, ...]]:
         "candidate_selector.successor_codebook": (c.vocab_size, c.selector_rank),
         "candidate_selector.hidden_projection.weight": (c.selector_rank, h),
     })
-    return out
+    if not fp8:
+        return out
+    quantized = set(fp8)
+    with_scales: dict[str, tuple[int, ...]] = {}
+    for name, shape in out.items():
+        with_scales[name] = shape
+        if name.endswith(".weight") and name[:-len(".weight")] in quantized:
+            with_scales[name[:-len(".weight")] + SCALE_SUFFIX] = (shape[0],)
+    return with_scales
 
 
 def canonical_name(stored: str) -> str:
@@ -95,38 +105,55 @@ def stored_tensors(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...], st
     return out
 
 
-def check_tensors(c: DraftConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """Refuse the first missing, extra or misshaped tensor, by name."""
-    want = expected_tensors(c)
+def check_tensors(c: DraftConfig, shapes: dict[str, tuple[int, ...]], where: str,
+                  fp8: tuple[str, ...] = (), files: dict[str, str] | None = None) -> None:
+    """Refuse the first missing, extra or misshaped tensor, by name (`fp8`: the quantized
+    modules, whose scales are then expected too; `files`: name -> the file that holds it, for
+    the message)."""
+    want = expected_tensors(c, fp8)
+    at = (files or {}).get
     for name, shape in want.items():
         if name not in shapes:
-            raise DraftError(f"{where}: missing tensor {name} {list(shape)}")
+            why = (f" (the per-channel scale of the FP8 weight {name[:-len(SCALE_SUFFIX)]}.weight)"
+                   if name.endswith(SCALE_SUFFIX) else "")
+            raise DraftError(f"{where}: missing tensor {name} {list(shape)}{why}")
         if tuple(shapes[name]) != shape:
-            raise DraftError(f"{where}: tensor {name} has shape {list(shapes[name])}, the "
-                             f"config implies {list(shape)}")
+            raise DraftError(f"{at(name, where)}: tensor {name} has shape {list(shapes[name])}, "
+                             f"the config implies {list(shape)}")
     for name, shape in shapes.items():
         if name in DROPPED and tuple(shape) == (c.vocab_size, c.hidden_size):
             continue
         if name not in want:
-            raise DraftError(f"{where}: unexpected tensor {name} {list(shape)} (not a "
-                             f"{'DFlash2BeamDraftModel'} weight; embed_tokens / lm_head are the "
-                             "target's)")
+            why = (f"a per-channel FP8 scale, but no {QUANT_FILE} names "
+                   f"{name[:-len(SCALE_SUFFIX)]}" if name.endswith(SCALE_SUFFIX) else
+                   "not a DFlash2BeamDraftModel weight; embed_tokens / lm_head are the target's")
+            raise DraftError(f"{at(name, where)}: unexpected tensor {name} {list(shape)} ({why})")
 
 
 def load_draft_weights(path: str | Path, c: DraftConfig) -> dict[str, torch.Tensor]:
-    """Validated tensors of a drafter dir, drafter-relative names, as stored (FP32/BF16/FP16)."""
+    """Validated tensors of a drafter dir, drafter-relative names, as stored (FP32/BF16/FP16;
+    with a quant.json its FP8 modules' codes and FP32 scales, quant.py)."""
     path = Path(path)
+    fp8 = read_quant(path, c)
     infos = stored_tensors(path)
-    check_tensors(c, {n: i[2] for n, i in infos.items()}, str(path))
+    files = {n: str(i[0]) for n, i in infos.items()}
+    check_tensors(c, {n: i[2] for n, i in infos.items()}, str(path), fp8, files)
+    wanted = expected_tensors(c, fp8)
+    check_stored_dtypes({n: i for n, i in infos.items() if n in wanted}, fp8,
+                        tuple(STORED_DTYPES), path)
     out: dict[str, torch.Tensor] = {}
-    for name in expected_tensors(c):
-        file, stored, _, dtype = infos[name]
-        if dtype not in STORED_DTYPES:
-            raise DraftError(f"{file}: tensor {stored} is {dtype}; a drafter is stored in "
-                             f"{'/'.join(STORED_DTYPES)}")
+    for name in wanted:
+        file, stored, _, _ = infos[name]
         with safe_open(str(file), framework="pt") as f:
             out[name] = f.get_tensor(stored)
+    check_scales(out, fp8, files)
     return out
+
+
+def fp8_modules_of(weights: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The modules of a weights dict stored as FP8 codes (in the dict's order)."""
+    return tuple(n[:-len(".weight")] for n, t in weights.items()
+                 if n.endswith(".weight") and t.dtype == torch.float8_e4m3fn)
 
 
 def save_draft(out_dir: str | Path, c: DraftConfig, weights: dict[str, torch.Tensor],

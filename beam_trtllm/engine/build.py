@@ -31,6 +31,8 @@ def build_engine(ckpt_dir: str | Path, engine_dir: str | Path, opts: BuildOption
     `--draft-tokens`, opts.draft_tokens, default to the drafter's block size - 1)."""
     if parallel is not None and draft is not None:
         raise EngineError("--draft: speculative decoding runs on single-GPU engines (no --tp/--ep)")
+    if draft is None and (opts.draft_tokens or opts.draft_quant != "auto"):
+        raise EngineError("--draft-tokens / --draft-quant need --draft DIR (a drafter to build)")
     if parallel is not None:
         return build_parallel(ckpt_dir, engine_dir, opts, parallel, progress, overwrite)
     ckpt_dir, engine_dir = Path(ckpt_dir), Path(engine_dir)

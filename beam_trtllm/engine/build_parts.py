@@ -170,7 +170,7 @@ def write_engine_dir(ckpt_dir: Path, reader, cfg: BeamConfig, scheme: Scheme, tm
     if draft_dir is not None:
         from .draft_build import copy_draft
 
-        files.update(copy_draft(draft_dir, cfg, tmp, progress))
+        files.update(copy_draft(draft_dir, cfg, tmp, progress, opts.draft_quant, layer_plan))
     tune, written = build_autotune(kv_cfg, layer_plan, opts, kv_dtype, tmp, progress)
     files.update({name: {"bytes": (tmp / name).stat().st_size,
                          "sha256": sha256_file(tmp / name)} for name in written})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..draft.model import DraftOutput
+from .host_buffers import HostTable, Staging
 
 
 class DraftGraphs:
@@ -36,6 +37,7 @@ class DraftGraphs:
             "uniforms": torch.full((b, n), 0.5, dtype=torch.float32, device=device),
             "temps": torch.zeros(b, dtype=torch.float32, device=device),
         }
+        self.stage = self.table = None  # host staging of run()'s inputs (host_buffers.py)
         self.capture = capture
         self.graphs: dict[int, tuple] = {}
         if capture:
@@ -61,21 +63,39 @@ class DraftGraphs:
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize(self.device)
 
+    def replay_padding(self, b: int) -> None:
+        """Replay graph b with every row at the padding start (scratch slots only): its cost."""
+        self.buf["start"][:b].fill_(self.pad_start)
+        self.graphs[b][0].replay()
+
     def size_for(self, r: int) -> int | None:
         return next((s for s in self.sizes if s >= r), None)
 
-    def run(self, anchors, start, table, uniforms, temps) -> DraftOutput:
-        """The drafts of R requests (R <= max_batch); the arguments as `draft` takes them."""
-        r = anchors.shape[0]
+    def run(self, reqs, anchors: list[int], starts: list[int], temps: list[float],
+            uniforms: torch.Tensor | None) -> DraftOutput:
+        """The drafts of R = len(reqs) requests (R <= max_batch): anchors, P0s and temperatures
+        as host lists (staged in pinned memory, host_buffers.py), each request's block table
+        row from `req.block_ids`, uniforms [R, N] on the device or None (greedy rows)."""
+        r = len(reqs)
         b = self.size_for(r)
-        buf = self.buf
-        buf["anchors"][:r].copy_(anchors)
-        buf["start"][:r].copy_(start)
-        buf["start"][r:b].fill_(self.pad_start)
-        buf["table"][:r, :table.shape[1]].copy_(table)
+        if self.stage is None:
+            self.stage = Staging({k: self.buf[k] for k in ("anchors", "start", "table", "temps")},
+                                 self.device)
+            self.table = HostTable(self.stage.host["table"])
+        stage = self.stage
+        stage.wait()
+        h = stage.np
+        h["anchors"][:b] = 0
+        h["anchors"][:r] = anchors
+        h["start"][:b] = self.pad_start
+        h["start"][:r] = starts
+        h["temps"][:b] = 0.0
+        h["temps"][:r] = temps
+        for row, req in enumerate(reqs):
+            self.table.set(row, req)
+        stage.copy(b)
         if uniforms is not None:
-            buf["uniforms"][:r].copy_(uniforms)
-        buf["temps"][:r].copy_(temps)
+            self.buf["uniforms"][:r].copy_(uniforms)
         if self.capture:
             graph, out = self.graphs[b]
             graph.replay()

@@ -88,10 +88,11 @@ class Engine(DisaggMixin, OutputMixin):
             self.graphs = DecodeGraphs(self.model, options, kv_plan, cfg, self.device,
                                        capture_layers=self.capture, ring_len=self.kv.ring_len,
                                        after=after)
-            if self.spec is not None:  # verify steps: 1 + drafts tokens per sequence
-                self.verify_graphs = DecodeGraphs(
+            if self.spec is not None:  # verify steps: 1 + n tokens per sequence, by n
+                self.verify_graphs = {n: DecodeGraphs(
                     self.model, options, kv_plan, cfg, self.device, capture_layers=self.capture,
-                    ring_len=self.kv.ring_len, tokens_per_seq=1 + num_drafts, after=after)
+                    ring_len=self.kv.ring_len, tokens_per_seq=1 + n, after=after)
+                    for n in self.spec.verify_counts}
         self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "restored_tokens": 0, "preemptions": 0}
 
@@ -218,7 +219,10 @@ class Engine(DisaggMixin, OutputMixin):
         # Graphs cover plain decode: one token per sequence, nothing to restore from the cache.
         decode_only = all(c.n == 1 + len(c.drafts) and c.start >= c.request.full_cached
                           for c in chunks)
-        graphs = self.verify_graphs if any(c.drafts for c in chunks) else self.graphs
+        graphs = self.graphs
+        drafts = max(len(c.drafts) for c in chunks)
+        if drafts and self.verify_graphs:  # the graph of the fewest draft rows that fit
+            graphs = self.verify_graphs[min(n for n in self.verify_graphs if n >= drafts)]
         if graphs is not None and decode_only and len(chunks) <= graphs.max_batch:
             self.stats["graph_steps"] += 1
             return graphs.run(chunks)

@@ -21,9 +21,11 @@ check the padding rules bit for bit against the unpadded step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..config import BeamConfig
+from .host_buffers import HostTable, Staging
 from .model import BeamModel, StepInputs
 from .plan import BuildOptions, KVPlan, cdiv
 from .request import Chunk
@@ -61,6 +63,7 @@ class DecodeGraphs:
         self.hist_full = zeros(n)
         self.empty = zeros(0, dtype=torch.int64)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
+        self.stage = self.table = self.index = None  # host staging (host_buffers.py)
         self.capture = capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         if capture:
@@ -99,47 +102,39 @@ class DecodeGraphs:
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize(self.device)
 
-    def _fill(self, chunks: list[Chunk]) -> None:
-        bs, ring, q = self.block_size, self.window, self.q
-        host = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in self.buf.items()
-                if k != "block_table"}
-        host["block_table"] = self._host_table(chunks)
-        host["ring_index"][:] = self.scratch_row
-        host["slot_full"][:] = -1
-        host["slot_sliding"][:] = -1
+    def _fill(self, chunks: list[Chunk], b: int | None = None) -> None:
+        """The static buffers' first b * q rows: the chunks' rows, then padding (host_buffers.py:
+        filled in pinned host memory, one non-blocking copy per buffer)."""
+        if self.stage is None:
+            self.stage = Staging(self.buf, self.device)
+            self.table = HostTable(self.stage.host["block_table"])
+        stage, bs, ring, q = self.stage, self.block_size, self.window, self.q
+        n = (b or self.max_batch) * q
+        stage.wait()
+        h = stage.np
+        for k in ("input_ids", "positions", "q_start", "hist_sliding"):
+            h[k][:n] = 0
+        h["ring_index"][:n] = self.scratch_row
+        h["slot_full"][:n] = -1
+        h["slot_sliding"][:n] = -1
         for i, c in enumerate(chunks):
-            req, p = c.request, c.start
-            tokens = c.token_ids
-            rows = slice(i * q, (i + 1) * q)
-            host["input_ids"][i * q:i * q + len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-            host["positions"][rows] = torch.arange(p, p + q)
-            host["q_start"][rows] = torch.arange(p, p + q, dtype=torch.int32)
-            host["hist_sliding"][rows] = req.hist_start
-            host["ring_index"][rows] = req.ring_row
-            for t, pos in enumerate(range(p, p + len(tokens))):  # padding rows write nothing
-                host["slot_full"][i * q + t] = req.block_ids[pos // bs] * bs + pos % bs
-                host["slot_sliding"][i * q + t] = req.ring_row * ring + pos % ring
-        for k, t in self.buf.items():
-            t.copy_(host[k], non_blocking=True)
+            req, p, tokens = c.request, c.start, c.token_ids
+            lo, m = i * q, len(tokens)  # rows past m pad the sequence: they write nothing
+            h["input_ids"][lo:lo + m] = tokens
+            h["positions"][lo:lo + q] = np.arange(p, p + q)
+            h["q_start"][lo:lo + q] = h["positions"][lo:lo + q]
+            h["hist_sliding"][lo:lo + q] = req.hist_start
+            h["ring_index"][lo:lo + q] = req.ring_row
+            blocks = req.block_ids
+            h["slot_full"][lo:lo + m] = [blocks[x // bs] * bs + x % bs for x in range(p, p + m)]
+            h["slot_sliding"][lo:lo + m] = [req.ring_row * ring + x % ring for x in range(p, p + m)]
+            self.table.set(lo, req, q)  # a sequence's rows share its table
+        stage.copy(n)
 
-    def _host_table(self, chunks: list[Chunk]) -> torch.Tensor:
-        """The block table on the host, a row rewritten only when its request or block count
-        changed (a 1M-token sequence's table is 32K entries: rebuilding it every step cost
-        more than the step's GPU time). Padded rows read no cache, whatever their row holds."""
-        if not hasattr(self, "_table"):
-            self._table = torch.zeros(self.buf["block_table"].shape, dtype=torch.int32)
-            self._rows: list = [(None, -1, 0)] * self._table.shape[0]  # (request, preemptions, len)
-        for i, c in enumerate(chunks):
-            req, n = c.request, len(c.request.block_ids)
-            for row in range(i * self.q, (i + 1) * self.q):  # a sequence's rows share its table
-                held, preempts, have = self._rows[row]
-                lo = have if held is req and preempts == req.num_preemptions and have <= n else 0
-                if lo == 0 and held is not None:  # another request (or its blocks were dropped)
-                    self._table[row].zero_()
-                if lo < n:  # a request's blocks only grow while it runs: write the new ones
-                    self._table[row, lo:n] = torch.tensor(req.block_ids[lo:], dtype=torch.int32)
-                self._rows[row] = (req, req.num_preemptions, n)
-        return self._table
+    def replay_padding(self, b: int) -> None:
+        """Replay graph b over padding rows only (they touch no live cache): its cost."""
+        self._fill([], b)
+        self.graphs[b][0].replay()
 
     def size_for(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
@@ -148,7 +143,7 @@ class DecodeGraphs:
         """(logits of the sampling rows: one per decode chunk, 1 + len(drafts) per verify
         chunk, in chunk order; the captured target states [sum of c.n, n * H] or None)."""
         b = self.size_for(len(chunks))
-        self._fill(chunks)
+        self._fill(chunks, b)
         if self.capture:
             graph, out = self.graphs[b]
             graph.replay()
@@ -158,13 +153,23 @@ class DecodeGraphs:
         if self.q == 1:
             n = len(chunks)
             keep = [i for i, c in enumerate(chunks) if c.samples]
-            return (logits[:n][keep] if len(keep) < n else logits[:n]), \
-                (hidden[:n] if hidden is not None else None)
-        keep = torch.tensor([i * self.q + t for i, c in enumerate(chunks) if c.samples
-                             for t in range(c.n - len(c.drafts) - 1, c.n)],
-                            dtype=torch.int64, device=logits.device)
+            return self._take(logits, keep), (hidden[:n] if hidden is not None else None)
+        keep = [i * self.q + t for i, c in enumerate(chunks) if c.samples
+                for t in range(c.n - len(c.drafts) - 1, c.n)]
         if hidden is not None:
-            rows = [i * self.q + t for i, c in enumerate(chunks) for t in range(c.n)]
-            hidden = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64,
-                                                         device=logits.device))
-        return logits.index_select(0, keep), hidden
+            hidden = self._take(hidden, [i * self.q + t for i, c in enumerate(chunks)
+                                         for t in range(c.n)])
+        return self._take(logits, keep), hidden
+
+    def _take(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """t's rows `rows`: a view when they are 0..k-1 (every sequence verified all q rows),
+        else an index_select through a pinned index buffer (no synchronizing copy)."""
+        if rows == list(range(len(rows))):
+            return t[:len(rows)]
+        if self.index is None:
+            self.index = Staging({"rows": torch.zeros(self.max_batch * self.q, dtype=torch.int64,
+                                                      device=self.device)}, self.device)
+        self.index.wait()
+        self.index.np["rows"][:len(rows)] = rows
+        self.index.copy(len(rows))
+        return t.index_select(0, self.index.dev["rows"][:len(rows)])

@@ -15,6 +15,7 @@ TARGETS = ("cpu", "sm90", "sm100")
 ACT_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}  # --dtype -> its unquantized KV dtype
 GIB = 1 << 30
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DRAFT_QUANTS = ("auto", "bf16", "fp8")  # --draft-quant (engine/draft_build.py)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,6 +35,8 @@ class BuildOptions:
     autotune: str = "auto"           # kernel search on a matching GPU: auto | quick | off
     dtype: str = "bfloat16"          # activations and unquantized weights; float32: CPU only
     draft_tokens: int = 0            # speculative decoding: drafts per step (0: no drafter)
+    draft_quant: str = "auto"        # the drafter's weights: auto (fp8 iff the target's are
+                                     # quantized) | bf16 (as stored) | fp8 (per channel)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -56,6 +59,9 @@ class BuildOptions:
                               f"engine, got {self.kv_dtype!r}")
         if not isinstance(self.draft_tokens, int) or self.draft_tokens < 0:
             raise EngineError(f"--draft-tokens must be an integer >= 0, got {self.draft_tokens!r}")
+        if self.draft_quant not in DRAFT_QUANTS:
+            raise EngineError(f"--draft-quant must be one of {', '.join(DRAFT_QUANTS)}, got "
+                              f"{self.draft_quant!r}")
         if self.kv_memory_gib is not None and not self.kv_memory_gib > 0:
             raise EngineError(f"--kv-memory must be > 0 GiB, got {self.kv_memory_gib!r}")
         if self.max_num_tokens < self.max_batch:

@@ -39,7 +39,8 @@ class Request:
     grammar: object | None = None     # xgrammar GrammarMatcher of a constrained request
     num_preemptions: int = 0
     drafts: list[int] = field(default_factory=list)  # speculative: tokens the next step verifies
-    draft_cands: tuple | None = None  # (cand_ids [N, k], cand_scores [N, k]) of those drafts
+    draft_cands: tuple | None = None  # (cand_ids [N, k], cand_scores [N, k]) of sampled drafts
+    draft_feats: object | None = None  # adaptive verification: their estimator features [N]
 
     @property
     def all_ids(self) -> list[int]:

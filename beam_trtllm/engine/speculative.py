@@ -17,6 +17,7 @@ and requests near their length limit decode without drafts (their outputs are un
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,11 +89,19 @@ class SpecDecoder:
         plan = engine.kv_plan
         self.kv = DraftKV(self.dcfg, plan.num_blocks, plan.block_size, engine.device,
                           engine.model.act_dtype)
-        self.estimator = self.budget = None
+        self.estimator = self.budget = self.graph_budget = None
+        # the verify graphs' draft counts: adaptive verification picks among them (GraphBudget)
+        self.verify_counts = (num_tokens,)
         if adaptive:
             from ..spec.adaptive import AcceptanceEstimator
 
             self.estimator = AcceptanceEstimator(num_tokens)
+            assert AcceptanceEstimator.REFIT_INTERVAL % self.OBSERVE_EVERY == 0
+            self.verify_counts = tuple(sorted({n for n in (1, 2, 4) if n < num_tokens}
+                                              | {num_tokens}))
+        self._observed = [[], [], [], 0]  # feature rows, drafts, accepted, steps not yet folded
+        # adaptive on graphs: the host's time per step, the last step's (batch, drafts), when
+        self.host_seconds, self._timed, self._mark = 0.0, None, None
         self.stats = {"spec_verify_steps": 0, "spec_drafted_tokens": 0,
                       "spec_accepted_tokens": 0}
         self.graphs = None
@@ -160,65 +169,118 @@ class SpecDecoder:
     def propose(self, reqs: list[Request]) -> None:
         """Draft the next block for each request (its last output token is the anchor)."""
         sched = self.engine.scheduler
-        go = []
+        go, rooms = [], []
         for req in reqs:
-            req.drafts, req.draft_cands = [], None
+            req.drafts, req.draft_cands, req.draft_feats = [], None, None
             room = min(req.sampling.max_tokens - len(req.output_ids),
                        req.max_total - req.num_tokens) - 1
             if req.state != State.RUNNING or room < 1 or not self.eligible(req):
                 continue
             # the drafter writes its block's K/V at P0..P0+N: blocks must exist there
             if sched.ensure_blocks(req, req.num_tokens + self.block):
-                go.append((req, room))
+                go.append(req)
+                rooms.append(room)
         if not go:
             return
-        dev = self.engine.device
-        width = max(len(r.block_ids) for r, _ in go)
-        table = torch.zeros(len(go), width, dtype=torch.int32)
-        for b, (r, _) in enumerate(go):
-            table[b, :len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
-        anchors = torch.tensor([r.output_ids[-1] for r, _ in go], dtype=torch.int64, device=dev)
-        start = torch.tensor([r.num_tokens - 1 for r, _ in go], dtype=torch.int64, device=dev)
-        temps = [float(r.sampling.temperature) for r, _ in go]
+        anchors = [r.output_ids[-1] for r in go]
+        starts = [r.num_tokens - 1 for r in go]
+        temps = [float(r.sampling.temperature) for r in go]
+        sampled = any(t > 0 for t in temps)
         uniforms = None
-        if any(t > 0 for t in temps):
+        if sampled:
             from ..spec.verify import draft_uniforms
 
-            reqs = [r for r, _ in go]
-            uniforms = draft_uniforms([r.sampling for r in reqs],
-                                      [len(r.output_ids) for r in reqs], self.block,
-                                      self.engine.generator, dev)
-        temps_t = torch.tensor(temps, dtype=torch.float32, device=dev)
+            uniforms = draft_uniforms([r.sampling for r in go], [len(r.output_ids) for r in go],
+                                      self.block, self.engine.generator, self.engine.device)
         if self.graphs is not None and len(go) <= self.graphs.max_batch:
-            out = self.graphs.run(anchors, start, table.to(dev), uniforms, temps_t)
+            out = self.graphs.run(go, anchors, starts, temps, uniforms)
+            temps_dev = self.graphs.buf["temps"][:len(go)]
         else:
-            out = self.drafter.draft(self.kv, anchors, start, table.to(dev), uniforms, temps_t)
-        counts = self._admit(out, temps, [room for _, room in go])
-        tokens = out.tokens.tolist()
-        # a graph's outputs are its static buffers: the next replay overwrites them
-        cand_ids, cand_scores = out.cand_ids.clone(), out.cand_scores.clone()
-        for b, (r, _) in enumerate(go):
+            out, temps_dev = self._draft_eager(go, anchors, starts, temps, uniforms)
+        counts, tokens, feats = self._admit(out, temps_dev, rooms)
+        if sampled:  # (a graph's outputs are its static buffers: the next replay overwrites them)
+            cand_ids, cand_scores = out.cand_ids.clone(), out.cand_scores.clone()
+        for b, r in enumerate(go):
             r.drafts = tokens[b][:counts[b]]
-            r.draft_cands = (cand_ids[b], cand_scores[b])
+            if sampled:
+                r.draft_cands = (cand_ids[b], cand_scores[b])
+            if feats is not None:
+                r.draft_feats = feats[b]
             self.stats["spec_drafted_tokens"] += counts[b]
 
-    def _admit(self, out, temps: list[float], rooms: list[int]) -> list[int]:
-        """Drafts to verify per request: `num_tokens` (and the room left), or with adaptive
-        verification the estimator's survival-ranked prefix the budget admits."""
+    def _draft_eager(self, go, anchors, starts, temps, uniforms):
+        """The draft step without a graph (the CPU, or more requests than the largest graph)."""
+        dev = self.engine.device
+        table = torch.zeros(len(go), max(len(r.block_ids) for r in go), dtype=torch.int32)
+        for b, r in enumerate(go):
+            table[b, :len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+        temps_t = torch.tensor(temps, dtype=torch.float32, device=dev)
+        out = self.drafter.draft(self.kv, torch.tensor(anchors, dtype=torch.int64, device=dev),
+                                 torch.tensor(starts, dtype=torch.int64, device=dev),
+                                 table.to(dev), uniforms, temps_t)
+        return out, temps_t
+
+    def _admit(self, out, temps: torch.Tensor, rooms: list[int]):
+        """-> (drafts to verify per request, the drafts as host lists, the estimator's
+        features on the host or None). Fixed: `num_tokens` (and the room left); adaptive: the
+        estimator's survival-ranked prefix the budget admits. One device read either way."""
         n = [min(self.num_tokens, room) for room in rooms]
         if self.estimator is None:
-            return n
-        t = torch.tensor(temps, dtype=torch.float32, device=out.cand_scores.device)
-        feats = self.estimator.features(out.cand_scores[:, :self.num_tokens], t)
-        probs = self.estimator.predict(feats).cpu()
-        survival = probs.cumprod(dim=1).tolist()
+            return n, out.tokens.tolist(), None
+        feats = self.estimator.features(out.cand_scores[:, :self.num_tokens], temps)
+        # token ids are exact in float64: drafts and features come back in one read
+        both = torch.cat([out.tokens.double(), feats.double()], 1).cpu()
+        tokens = both[:, :self.block].long().tolist()
+        feats = both[:, self.block:].float()
+        survival = [s[:k] for s, k in
+                    zip(self.estimator.predict(feats).cumprod(dim=1).tolist(), n)]
+        if self._graph_step(len(rooms)):
+            if self.graph_budget is None:
+                self.graph_budget = self._profile_graphs()
+            self._time_host(len(rooms))
+            count = self.graph_budget.choose(survival, self.host_seconds)
+            self._timed = (len(rooms), count)
+            return [min(count, k) for k in n], tokens, feats
+        self._timed = None
         if self.budget is None:
             self.budget = self._profile()
         # the next step: every running request emits a token and feeds one non-draft token
         # (its anchor; prefill chunks of new requests are not known yet)
         running = max(len(self.engine.scheduler.running), len(rooms))
-        admitted = self.budget.choose([s[:k] for s, k in zip(survival, n)], running, running)
-        return [min(a, k) for a, k in zip(admitted, n)]
+        admitted = self.budget.choose(survival, running, running)
+        return [min(a, k) for a, k in zip(admitted, n)], tokens, feats
+
+    def _graph_step(self, r: int) -> bool:
+        """Whether the next verify step of r requests replays captured graphs."""
+        vg = self.engine.verify_graphs
+        return bool(vg) and self.graphs is not None and self.graphs.capture and \
+            r <= min(self.graphs.max_batch, *(g.max_batch for g in vg.values()))
+
+    def _time_host(self, r: int) -> None:
+        """Fold the last graph step's host time in: its wall time from one draft choice to
+        the next, less its graphs' measured cost (counted only when exactly one engine step,
+        a graph step, ran in between)."""
+        now, eng = time.perf_counter(), self.engine
+        mark = (now, eng.stats["steps"], eng.stats["graph_steps"])
+        if self._timed is not None and self._mark is not None:
+            t0, steps, graphs = self._mark
+            if mark[1] - steps == 1 and mark[2] - graphs == 1:
+                spent = now - t0 - self.graph_budget.step_cost(*self._timed)
+                self.host_seconds = 0.9 * self.host_seconds + 0.1 * max(spent, 0.0)
+        self._mark = mark
+
+    def _profile_graphs(self):
+        """Median replay seconds of every captured draft and verify graph (padding rows)."""
+        from ..spec.adaptive import GraphBudget, median_seconds
+
+        dev, self._mark = self.engine.device, None
+        sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+        draft = {b: median_seconds(self.graphs.replay_padding, b, 5, time.perf_counter, sync)
+                 for b in self.graphs.sizes}
+        verify = {(b, n): median_seconds(g.replay_padding, b, 5, time.perf_counter, sync)
+                  for n, g in self.engine.verify_graphs.items() for b in self.graphs.sizes
+                  if b <= g.max_batch}
+        return GraphBudget(draft, verify)
 
     def _profile(self):
         """Measured draft and verify step costs (spec §8), before the first adaptive step."""
@@ -247,32 +309,65 @@ class SpecDecoder:
     # ------------------------------------------------------------------ verification
     def verify(self, chunks: list[Chunk], logits: list[torch.Tensor], indices: list[int]):
         """logits[i]: [1 + len(drafts), V] rows of verify chunk i -> VerifyResult."""
+        from ..spec.verify import VerifyResult
+
+        params = [c.request.sampling for c in chunks]
+        num = [len(c.drafts) for c in chunks]
+        if all(p.temperature == 0 for p in params):
+            # greedy: one argmax over every row and one read; the drafts are on the host
+            flat = logits[0] if len(logits) == 1 else torch.cat(logits)
+            argmax, row, accepted, tokens = flat.argmax(-1).tolist(), 0, [], []
+            for c in chunks:
+                m = len(c.drafts)
+                top = argmax[row:row + m + 1]
+                a = next((j for j in range(m) if c.drafts[j] != top[j]), m)
+                accepted.append(a)
+                tokens.append(list(c.drafts[:a]) + [top[a]])
+                row += m + 1
+            res = VerifyResult(accepted, tokens)
+        else:
+            res = self._verify_sampled(chunks, logits, params, indices)
+        self.stats["spec_verify_steps"] += len(chunks)
+        self.stats["spec_accepted_tokens"] += sum(res.num_accepted)
+        if self.estimator is not None:
+            self._observe([c.request.draft_feats for c in chunks], num, res.num_accepted)
+        return res
+
+    OBSERVE_EVERY = 10  # verify steps folded into the estimator at once (divides REFIT_INTERVAL)
+
+    def _observe(self, feats: list, num: list[int], accepted: list[int]) -> None:
+        """Buffer a step's observations; fold them in every OBSERVE_EVERY steps (one call
+        instead of ten: the same statistics, since the fit only moves at a refit)."""
+        buf = self._observed
+        buf[0].extend(feats)
+        buf[1].extend(num)
+        buf[2].extend(accepted)
+        buf[3] += 1
+        if buf[3] >= self.OBSERVE_EVERY:
+            self.estimator.observe(torch.stack(buf[0]), buf[1], buf[2], steps=buf[3])
+            self._observed = [[], [], [], 0]
+
+    def _verify_sampled(self, chunks, logits, params, indices):
+        """spec.verify over [R, N+1, V] targets: rejection sampling for the sampled rows."""
         from ..spec.verify import uniform_source, verify
 
         n = max(len(c.drafts) for c in chunks)
-        vocab = logits[0].shape[-1]
-        dev = logits[0].device
+        vocab, dev = logits[0].shape[-1], logits[0].device
         target = torch.full((len(chunks), n + 1, vocab), float("-inf"), device=dev)
-        drafts = torch.zeros(len(chunks), n, dtype=torch.int64, device=dev)
-        k = chunks[0].request.draft_cands[0].shape[-1]
+        drafts = torch.zeros(len(chunks), n, dtype=torch.int64)
+        k = next(c.request.draft_cands[0].shape[-1] for c in chunks if c.request.draft_cands)
         cand_ids = torch.zeros(len(chunks), n, k, dtype=torch.int64, device=dev)
         cand_scores = torch.zeros(len(chunks), n, k, dtype=torch.float32, device=dev)
         for b, (c, rows) in enumerate(zip(chunks, logits)):
             m = len(c.drafts)
             target[b, :m + 1] = rows
-            drafts[b, :m] = torch.tensor(c.drafts, dtype=torch.int64, device=dev)
-            ids, scores = c.request.draft_cands
-            cand_ids[b, :m], cand_scores[b, :m] = ids[:m], scores[:m].float()
-        params = [c.request.sampling for c in chunks]
-        num = [len(c.drafts) for c in chunks]
-        res = verify(target, drafts, num, cand_ids, cand_scores, params,
-                     uniform_source(params, indices, self.engine.generator, dev))
-        self.stats["spec_verify_steps"] += len(chunks)
-        self.stats["spec_accepted_tokens"] += sum(res.num_accepted)
-        if self.estimator is not None:
-            t = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-            self.estimator.observe(self.estimator.features(cand_scores, t), num, res.num_accepted)
-        return res
+            drafts[b, :m] = torch.tensor(c.drafts, dtype=torch.int64)
+            if c.request.draft_cands is not None:
+                ids, scores = c.request.draft_cands
+                cand_ids[b, :m], cand_scores[b, :m] = ids[:m], scores[:m].float()
+        return verify(target, drafts.to(dev), [len(c.drafts) for c in chunks], cand_ids,
+                      cand_scores, params, uniform_source(params, indices, self.engine.generator,
+                                                          dev))
 
 
 def _sizes(max_batch: int, max_tokens: int) -> tuple[list[int], list[int]]:

@@ -2,7 +2,7 @@
 verify forward (docs/SPECULATIVE.md "Verification", "Adaptive verification")."""
 
 from .adaptive import (  # noqa: F401
-    AcceptanceEstimator, CostCurve, DraftBudget, observed_labels, profile_costs,
+    AcceptanceEstimator, CostCurve, DraftBudget, GraphBudget, observed_labels, profile_costs,
     profile_sizes, survival,
 )
 from .verify import (  # noqa: F401

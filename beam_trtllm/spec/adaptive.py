@@ -9,6 +9,8 @@
 - `DraftBudget`: from survival scores s_{r,k} = prod_{j<=k} p_j and measured step costs,
   the number of drafts B* that maximizes expected tokens per second, and which requests
   keep how many (the global top B* slots, a prefix of each request's drafts).
+- `GraphBudget`: the same rule where CUDA graphs run the steps (the cost is the captured
+  graph's, so the choice is one draft count per step).
 - `profile_costs`: the two cost curves, median seconds of a few timed replays per size.
 """
 
@@ -73,9 +75,11 @@ class AcceptanceEstimator:
         return torch.sigmoid(logit).to(features.device, torch.float32)
 
     def observe(self, features: torch.Tensor, num_drafts: Sequence[int],
-                num_accepted: Sequence[int]) -> None:
-        """Fold one verify step in: request r verified num_drafts[r] drafts (features[r,
-        :num_drafts[r]] their features at draft time) and accepted num_accepted[r]."""
+                num_accepted: Sequence[int], steps: int = 1) -> None:
+        """Fold `steps` verify steps in (their rows concatenated): row r verified
+        num_drafts[r] drafts (features[r, :num_drafts[r]] their features at draft time) and
+        accepted num_accepted[r]. The parameters change only at a refit, so folding several
+        steps at once is the same as one by one while no refit falls between them."""
         n = self._positions(features)
         if len(num_drafts) != features.shape[0] or len(num_accepted) != features.shape[0]:
             raise SpecError(f"AcceptanceEstimator.observe: {features.shape[0]} feature rows but "
@@ -87,7 +91,7 @@ class AcceptanceEstimator:
         resid = torch.where(observed, label.double() - p, 0.0)
         self.stats[:, :n] += torch.stack([w * f * f, w * f, w, resid * f, resid,
                                           observed.double()]).sum(1)
-        self.steps_since_refit += 1
+        self.steps_since_refit += steps
         if self.steps_since_refit >= self.REFIT_INTERVAL:
             self.refit()
 
@@ -207,6 +211,43 @@ class DraftBudget:
         return admitted
 
 
+class GraphBudget:
+    """The budget rule for CUDA-graph steps. A captured verify graph runs b sequences x (1 + n)
+    rows whatever drafts fill them (the rest is padding), so its cost depends on the step's
+    batch size and the largest draft count, not on the number of drafts: the choice is one
+    count n among the captured ones, n* = argmax_n (R + sum_r sum_{k<n} s_{r,k}) /
+    (C_draft[b] + C_verify[b, n] + h), h the host's time per step (measured online)."""
+
+    def __init__(self, draft_cost: dict[int, float], verify_cost: dict[tuple[int, int], float]):
+        """draft_cost[b]: seconds of the draft graph of batch size b; verify_cost[b, n]: of the
+        verify graph of batch size b and n drafts per sequence."""
+        if not draft_cost or not verify_cost:
+            raise SpecError("GraphBudget: no measured graph costs")
+        self.draft_cost, self.verify_cost = dict(draft_cost), dict(verify_cost)
+        self.sizes = sorted(draft_cost)
+        self.counts = sorted({n for _, n in verify_cost})
+        for b in self.sizes:
+            for n in self.counts:
+                if (b, n) not in self.verify_cost:
+                    raise SpecError(f"GraphBudget: no verify cost for batch {b}, {n} drafts")
+
+    def step_cost(self, batch: int, n: int) -> float:
+        """The GPU seconds of a step of `batch` requests with at most n drafts each."""
+        b = next(s for s in self.sizes if s >= batch)
+        return self.draft_cost[b] + self.verify_cost[b, min(c for c in self.counts if c >= n)]
+
+    def choose(self, survival: Sequence[Sequence[float]], host_seconds: float = 0.0) -> int:
+        """survival[r]: request r's survival scores (its room already cut) -> n*."""
+        _check_survival(survival)
+        best, best_rate = self.counts[-1], -1.0
+        for n in self.counts:
+            gain = sum(1.0 + sum(row[:n]) for row in survival)
+            rate = gain / (self.step_cost(len(survival), n) + host_seconds)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+
 def _check_survival(survival: Sequence[Sequence[float]]) -> None:
     for r, row in enumerate(survival):
         for j, s in enumerate(row):
@@ -251,13 +292,13 @@ def profile_costs(run_draft: Callable[[int], None], run_verify: Callable[[int], 
             raise SpecError(f"profile_costs: {what} sizes must be integers >= 1, got {points!r}")
         curve = {}
         for i, size in enumerate(points):
-            curve[size] = _median_seconds(run, size, replays, clock, sync)
+            curve[size] = median_seconds(run, size, replays, clock, sync)
             progress(f"[{i + 1}/{len(points)}] {what} cost at {size}: {curve[size] * 1e3:.3f} ms")
         curves.append(curve)
     return curves[0], curves[1]
 
 
-def _median_seconds(run: Callable[[int], None], size: int, replays: int,
+def median_seconds(run: Callable[[int], None], size: int, replays: int,
                     clock: Callable[[], float], sync: Callable[[], None]) -> float:
     times = []
     for _ in range(replays):
