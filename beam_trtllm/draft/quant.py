@@ -12,7 +12,6 @@ BF16 drafter stored it, and `quant.json`, the record: {"format": "fp8_channel", 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -122,12 +121,12 @@ def read_quant(path: Path, c: DraftConfig) -> tuple[str, ...]:
     file = Path(path) / QUANT_FILE
     if not file.is_file():
         return ()
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise DraftError(f"{file}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise DraftError(f"{file}: must be a JSON object, got {type(raw).__name__}")
+    from ..config_json import ConfigError, read_raw
+
+    try:  # (not JSON, not an object: refused by path, as the target's config.json is)
+        raw, _ = read_raw(file)
+    except ConfigError as exc:
+        raise DraftError(f"drafter quantization: {exc}") from None
     extra = sorted(set(raw) - set(RECORD_FIELDS))
     if extra:
         raise DraftError(f"{file}: unknown field {extra[0]!r} (fields: {', '.join(RECORD_FIELDS)})")
