@@ -84,3 +84,14 @@ def with_context(model: DFlash2Drafter, starts: list[int], seed: int = 2):
 
 
 # ---------------------------------------------------------------------------- checkpoints
+
+
+def forbid_host_reads(monkeypatch) -> None:
+    """Make every host read of a device value raise (a capturable draft step makes none);
+    `monkeypatch.undo()` lifts it."""
+    def sync(*args, **kwargs):
+        raise AssertionError("draft read a device value on the host")
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+                 "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    monkeypatch.setattr(torch, "nonzero", sync)

@@ -28,7 +28,7 @@ from beam_trtllm.engine.plan import BuildOptions
 from beam_trtllm.engine.speculative import SpecConfig
 from beam_trtllm.engine.types import EngineError, SamplingParams
 from conftest import tol
-from draft_helpers import CFG
+from draft_helpers import CFG, forbid_host_reads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 OPTS = dict(max_batch=4, max_seq_len=512, max_num_tokens=96, block_size=16)
@@ -246,12 +246,7 @@ def test_fp8_draft_is_one_graph_without_host_reads(engine_dirs, monkeypatch):
     compiled = torch.compile(drafter.draft, fullgraph=True, backend="aot_eager", dynamic=False)
     traced = compiled(copy.deepcopy(kv), *args)
 
-    def sync(*a, **k):
-        raise AssertionError("draft read a device value on the host")
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-                 "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, sync)
-    monkeypatch.setattr(torch, "nonzero", sync)
+    forbid_host_reads(monkeypatch)
     again = drafter.draft(copy.deepcopy(kv), *args)
     monkeypatch.undo()
     for a, b, c in zip(eager, traced, again):

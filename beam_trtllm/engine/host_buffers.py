@@ -35,9 +35,9 @@ class Staging:
             self._copied.synchronize()
             self._copied = None
 
-    def copy(self, rows: int, keys=None) -> None:
-        """The first `rows` rows of each buffer (of `keys`, default all) to the device."""
-        for k in keys or self.dev:
+    def copy(self, rows: int) -> None:
+        """The first `rows` rows of each buffer to the device."""
+        for k in self.dev:
             self.dev[k][:rows].copy_(self.host[k][:rows], non_blocking=self.cuda)
         if self.cuda:
             self._copied = torch.cuda.Event()
@@ -69,5 +69,6 @@ class HostTable:
             cols = slice(lo, n) if same else slice(None)
             self.table[row + 1:row + rows, cols] = self.table[row, cols]
         self._rows[row] = (req, req.num_preemptions, n, rows)
-        for other in range(row + 1, row + rows):  # inside a group: rewritten when used alone
-            self._rows[other] = (self, -1, 0, 0)
+        if not same:  # the group's other rows: rewritten when used alone (marked once)
+            for other in range(row + 1, row + rows):
+                self._rows[other] = (self, -1, 0, 0)
