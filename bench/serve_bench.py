@@ -238,8 +238,9 @@ def faults(args) -> None:
     group so that a killed worker leaves a survivor to answer meanwhile."""
     from dynamo_graphs.graph import load_graph
     from dynamo_graphs.launch import check_engine_limits
-    from _serve_faults import run_faults
+    from _serve_faults import kill_verdict, run_faults
 
+    failed = []
     for name in args.faults:
         graph = load_graph(ROOT / "dynamo_graphs" / f"{name}.yaml", args.engine_dir)
         from dataclasses import replace
@@ -255,6 +256,10 @@ def faults(args) -> None:
             running.stop()
         print(f"\n### faults: {name}.yaml (2 workers per group)\n```\n"
               f"{json.dumps(res, indent=1, default=str)}\n```", flush=True)
+        failed += [f"{name}.yaml: {line}" for line in kill_verdict(res, args.kill_back_s)]
+    if failed:
+        raise SystemExit("kill -9: a stream failed or hung, or a worker came back late:\n"
+                         + "\n".join(failed))
 
 
 def main() -> None:
@@ -274,12 +279,17 @@ def main() -> None:
     p.add_argument("--skip", choices=["throughput", "tier"], nargs="*", default=[])
     p.add_argument("--faults", nargs="*", choices=["agg", "disagg"], default=None,
                    help="run the fault scenarios on the shipped agg.yaml / disagg.yaml")
+    p.add_argument("--fault-scenarios", nargs="+", choices=["burst", "mixed", "kill"],
+                   default=["burst", "mixed", "kill"], help="which of --faults' scenarios run")
     p.add_argument("--burst", type=int, default=50)
     p.add_argument("--mixed", type=int, default=1000)
     p.add_argument("--mixed-concurrency", type=int, default=64)
     p.add_argument("--kill-streams", type=int, default=32)
     p.add_argument("--kill-tokens", type=int, default=64)
     p.add_argument("--hang-s", type=float, default=60.0)
+    p.add_argument("--kill-back-s", type=float, default=15.0,
+                   help="bound on a killed worker's death-to-registered time (restart backoff "
+                        "1 s + engine load and warm-up; 3.5-7.9 s measured on the CPU box)")
     p.add_argument("--smoke", action="store_true",
                    help="the script's whole path at toy sizes: a tiny engine built in a temp dir, "
                         "agg and disagg at C=1, 4 tokens, no tier")

@@ -24,7 +24,7 @@ from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, Work
 from dynamo.common.backend.health_check import build_health_check_payload, is_probe
 from dynamo.common.backend.publisher import PushSource
 from dynamo.common.constants import DisaggregationMode
-from dynamo.llm.exceptions import InvalidArgument, Unknown, WorkerUnavailable
+from dynamo.llm.exceptions import Disconnected, InvalidArgument, Unknown
 
 from .admission import AdmissionError, Limits, check_admission
 from .engine_loop import ABORTED, EngineLoop, RateLimiter
@@ -81,6 +81,7 @@ class BeamWorker(LLMEngine):
     @classmethod
     async def from_args(cls, argv=None):
         args = parse_args(argv)
+        args.device = _claim_device(args.device)
         worker = cls(args)
         config = WorkerConfig(
             namespace=args.namespace, component=args.component, endpoint="generate",
@@ -113,9 +114,10 @@ class BeamWorker(LLMEngine):
         self.loop = EngineLoop(self.engine, on_step=RateLimiter(self.reporter, 0.05))
         self.loop.start()
         opts, plan = self.engine.options, self.engine.kv_plan
-        log.info("beam worker %s (%s) ready in %.1f s: %d KV blocks of %d tokens, %d sequences, "
-                 "max_seq_len %d", self.args.component, self.role, time.monotonic() - t0,
-                 plan.num_blocks, plan.block_size, opts.max_batch, opts.max_seq_len)
+        log.info("beam worker %s (%s) on %s ready in %.1f s: %d KV blocks of %d tokens, "
+                 "%d sequences, max_seq_len %d", self.args.component, self.role,
+                 self.engine.device, time.monotonic() - t0, plan.num_blocks, plan.block_size,
+                 opts.max_batch, opts.max_seq_len)
         # The chat processor in the frontend checks prompts against these before routing
         # (beam_trtllm/chat/limits.py): context_length and the graph's max_isl.
         runtime_data = {} if self.args.max_isl is None else {"beam_max_isl": self.args.max_isl}
@@ -310,10 +312,7 @@ class BeamWorker(LLMEngine):
                 reserved = await self.decode.pull(rid, prompt, handle)
             except (KvTransferError, KeyError, TypeError, ValueError) as exc:
                 if self.args.on_transfer_failure != "recompute":
-                    # 503: the prefill worker went away (or its handle expired); a retry is
-                    # prefilled again on a live one
-                    raise WorkerUnavailable(f"request {rid}: KV handoff from the prefill worker "
-                                            f"failed: {exc}; retry the request") from None
+                    raise handoff_failed(rid, exc) from None
                 log.warning("request %s: KV handoff failed (%s); recomputing the prompt", rid, exc)
             else:
                 return (lambda: engine.add_request(rid, prompt, sampling, kv_reserved=reserved),
@@ -332,12 +331,44 @@ class RequestSlot:
     how: str | None = None  # how it ended, when not finished
 
 
+def handoff_failed(rid: str, exc: Exception) -> Disconnected:
+    """The error of a request whose KV never arrived (its prefill worker died, or the handle
+    expired): it must be prefilled again. In a worker, Dynamo 1.6.1 maps `Disconnected` to
+    `backend.disconnected`, which the frontend's request migration re-sends (prefill on a live
+    worker, then decode) without quarantining this healthy decode worker; past
+    `migration_limit` the client gets a 503. Its `WorkerUnavailable` is for frontend engines:
+    raised here it becomes `backend.unknown`, a plain 500 (measured, 2026-12-02)."""
+    log.warning("request %s: KV handoff failed (%s); ending it for the frontend to migrate",
+                rid, exc)
+    return Disconnected(f"request {rid}: KV handoff from the prefill worker failed: {exc}; "
+                        "retry the request")
+
+
 def _dynamo_error(exc: BaseException, request_id: str) -> Exception:
     from beam_trtllm.engine.types import EngineError
 
     if isinstance(exc, EngineError):  # its message already names the request
         return InvalidArgument(str(exc))
     return Unknown(f"request {request_id}: {exc}")
+
+
+def _claim_device(device: str | None) -> str:
+    """--device resolved (default: cuda if available), and made what Dynamo reports.
+
+    Dynamo 1.6.1 records every endpoint instance's `device_type` (discovery, hence the
+    frontend's `/health` and its device-aware router) from the environment alone: `cpu` only
+    when CUDA_VISIBLE_DEVICES is empty / -1 / none / void (or NVIDIA_VISIBLE_DEVICES is
+    none / void), else `cuda` (dynamo_runtime::component::endpoint::endpoint_device_type).
+    A CPU worker therefore hides the GPUs from itself before its endpoints register; it
+    uses none of them anyway.
+    """
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
+    return device
 
 
 def main() -> None:

@@ -232,3 +232,21 @@ def test_bad_bodies_are_refused_before_tokenizing(disagg, engine_dir):
     limit = body_limit_mib(_context(engine_dir)) * 2**20
     code, text, took = _raw(disagg, chat("x" * (limit + 1024)))
     assert code == 413 and "DYN_HTTP_BODY_LIMIT_MB" in text and took < 1.0, text
+
+
+def test_health_reports_the_device_each_worker_runs_on(disagg):
+    """Dynamo records each instance's device_type from the worker's environment; a CPU worker
+    must not be listed as `cuda` (the frontend's `/health`, and its device-aware router)."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with urllib.request.urlopen(f"{disagg.url}/health", timeout=10) as resp:
+        health = json.load(resp)
+    instances = [i for i in health["instances"] if i["endpoint"] == "generate"]
+    assert sorted(i["component"] for i in instances) == ["decode", "prefill"], health
+    assert {i["device_type"] for i in health["instances"]} == {device}, health
+    for name in disagg.worker_names():  # each worker's own system endpoint, and its log
+        with urllib.request.urlopen(disagg.metrics_url(name).replace("/metrics", "/health"),
+                                    timeout=10) as resp:
+            assert json.load(resp)["status"] == "ready"
+        assert re.search(rf"\) on {device}(:\d+)? ready in", disagg.log_text(name)), name

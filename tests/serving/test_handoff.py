@@ -64,11 +64,15 @@ def _prefill(engine, side, rid):
     return side.export(rid)
 
 
-def _drain(prefill, timeout_s=5.0):
-    """Poll the prefill side's notifications until no pin is left (bounded)."""
+def _drain(prefill, timeout_s=5.0, decode=None):
+    """Poll the prefill side's notifications until no pin is left (bounded); with `decode`,
+    progress its transport too, as the worker's run_progress does after a decline (a
+    notification to an agent met moments ago may still sit in its UCX queue)."""
     deadline = time.monotonic() + timeout_s
     while prefill.pinned and time.monotonic() < deadline:
         prefill.poll()
+        if decode is not None:
+            decode.transport.progress()
         time.sleep(0.01)
 
 
@@ -132,8 +136,10 @@ def test_a_mismatched_prompt_is_refused_before_reserving(pair):
 
 @pytest.mark.parametrize("policy", ["error", "recompute"])
 def test_decode_worker_failure_policy(pair, engine_dir, policy):
-    """`on_transfer_failure`: a clear error, or the decode worker computes the prompt."""
-    from dynamo.llm.exceptions import DynamoException
+    """`on_transfer_failure`: a clear error, or the decode worker computes the prompt. The
+    error is Dynamo's `Disconnected`: the frontend migrates it (a fresh prefill), where its
+    WorkerUnavailable reached the client as a 500."""
+    from dynamo.llm.exceptions import Disconnected
 
     from dynamo_graphs.worker import BeamWorker, RequestSlot, parse_args
 
@@ -148,7 +154,7 @@ def test_decode_worker_failure_policy(pair, engine_dir, policy):
     handle = worker._incoming_handle(request)
     sampling = SamplingParams(max_tokens=6)
     if policy == "error":
-        with pytest.raises(DynamoException, match="KV handoff from the prefill worker failed"):
+        with pytest.raises(Disconnected, match="KV handoff from the prefill worker failed"):
             asyncio.run(worker._admission(RequestSlot("p-1", False), PROMPT, sampling, handle))
     else:
         add, cached = asyncio.run(worker._admission(RequestSlot("p-1", False), PROMPT, sampling, handle))
@@ -157,7 +163,7 @@ def test_decode_worker_failure_policy(pair, engine_dir, policy):
         tokens, _ = _run(de, "p-1")
         want = Engine.generate(pe, [PROMPT], SamplingParams(max_tokens=6))[0]["token_ids"]
         assert tokens == want
-    _drain(prefill)
+    _drain(prefill, decode=worker.decode)
     _assert_free(pe, de)
 
 
