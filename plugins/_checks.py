@@ -17,13 +17,14 @@ def _expect(cond: bool, op: str, msg: str) -> None:
 
 
 def check_tensor(op: str, name: str, t: torch.Tensor, shape: tuple, dtypes: tuple) -> None:
-    """`shape` entries of None match any size."""
+    """`shape` entries of None match any size. Messages are formatted only on failure."""
     _expect(isinstance(t, torch.Tensor), op, f"{name} must be a tensor")
-    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    _expect(ok, op, f"{name} has shape {list(t.shape)}, expected {want}")
-    names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-    _expect(t.dtype in dtypes, op, f"{name} has dtype {t.dtype}, expected one of {names}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        _expect(False, op, f"{name} has shape {list(t.shape)}, expected {want}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        _expect(False, op, f"{name} has dtype {t.dtype}, expected one of {names}")
 
 
 def check_linear_x(op: str, x: torch.Tensor, k: int, dtypes: tuple = ACT_DTYPES) -> None:

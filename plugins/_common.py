@@ -32,13 +32,14 @@ def check(cond: bool, op: str, message: str) -> None:
 
 def check_tensor(op: str, name: str, t: torch.Tensor, ndim: int | None = None,
                  dtypes: tuple[torch.dtype, ...] | None = None, device: torch.device | None = None):
-    if ndim is not None:
-        check(t.dim() == ndim, op, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if dtypes is not None:
+    # messages are formatted only on failure: every eager op runs several of these a call
+    if ndim is not None and t.dim() != ndim:
+        check(False, op, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        check(t.dtype in dtypes, op, f"{name} must be one of ({names}), got {t.dtype}")
-    if device is not None:
-        check(t.device == device, op, f"{name} is on {t.device}, expected {device}")
+        check(False, op, f"{name} must be one of ({names}), got {t.dtype}")
+    if device is not None and t.device != device:
+        check(False, op, f"{name} is on {t.device}, expected {device}")
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -135,7 +135,7 @@ TMA_MAX_BOX = 256  # rows or columns of one TMA copy (cuTensorMapEncodeTiled's b
 
 def has_tma(device: torch.device) -> bool:
     """Whether the device has a TMA: sm_90+, or the CPU (Triton's interpreter emulates it)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type != "cuda" or _pdl._sm_major(device) >= 9
 
 
 def tma_addressable(m: torch.Tensor) -> bool:

@@ -58,8 +58,20 @@ _CHAIN = {"links": frozenset(DEFAULT_LINKS)}
 def has_pdl(device: torch.device) -> bool:
     """Whether kernels on the device can be launched early (programmatic dependent launch,
     sm_90+) and call griddepcontrol; never in the interpreter, which runs launches in order."""
-    return (device.type == "cuda" and not triton_interpreted()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return device.type == "cuda" and not triton_interpreted() and _sm_major(device) >= 9
+
+
+_SM_MAJOR: dict[int, int] = {}
+
+
+def _sm_major(device: torch.device) -> int:
+    """The device's compute capability major, read once a device: every eager launch asks, and
+    torch.cuda.get_device_capability costs ~8 us on the H200's host."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major = _SM_MAJOR.get(index)
+    if major is None:
+        major = _SM_MAJOR[index] = torch.cuda.get_device_capability(index)[0]
+    return major
 
 
 def decode_chain(device: torch.device) -> bool:

@@ -36,7 +36,7 @@ from ._common import (FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, ne
 from ._fp8_act import fp8_codes, load_fp8_scale
 from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
 from ._reference import residual_add, rms_norm
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 from .rmsnorm import row_launch_params
 
 OP = "add_rmsnorm"
@@ -231,7 +231,7 @@ def check_add_rmsnorm(h, y, w_post, w_pre, op: str = OP, y_weights=None,
     check(h.stride(1) == 1 and y.stride(-1) == 1, op, "h and y rows must be contiguous")
 
 
-@torch.library.custom_op("beam::add_rmsnorm", mutates_args=())
+@beam_op("add_rmsnorm", mutates_args=())
 def add_rmsnorm(h: torch.Tensor, y: torch.Tensor, w_post: torch.Tensor, w_pre: torch.Tensor,
                 a: float, b: float, eps: float, y_weights: Optional[torch.Tensor] = None,
                 y_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

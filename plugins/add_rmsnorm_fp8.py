@@ -24,7 +24,7 @@ from beam_trtllm.quant_formats import quantize_fp8_activation
 
 from ._common import FP8_DTYPE, check_tensor
 from .add_rmsnorm import add_rmsnorm_rows, check_add_rmsnorm, ref_add_rmsnorm
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "add_rmsnorm_fp8"
 
@@ -48,7 +48,7 @@ def _check(h, y, w_post, w_pre, x_scale, y_weights=None, y_scale: float = 1.0) -
     check_tensor(OP, "x_scale", x_scale, ndim=0, dtypes=(torch.float32,), device=h.device)
 
 
-@torch.library.custom_op("beam::add_rmsnorm_fp8", mutates_args=())
+@beam_op("add_rmsnorm_fp8", mutates_args=())
 def add_rmsnorm_fp8(h: torch.Tensor, y: torch.Tensor, w_post: torch.Tensor, w_pre: torch.Tensor,
                     x_scale: torch.Tensor, a: float, b: float, eps: float,
                     y_weights: Optional[torch.Tensor] = None, y_scale: float = 1.0

@@ -46,7 +46,7 @@ from ._attention_prefill import launch_prefill
 from ._common import (FLOAT_DTYPES, FP8_DTYPE, check, check_cache_pair, check_tensor, from_cache,
                       is_fp8, to_cache)
 from ._reference import attention_mask
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "attention"
 
@@ -140,7 +140,7 @@ def _check(q, k_new, v_new, gate, k_cache, v_cache, cu_seqlens_q, q_start, hist_
         check_tensor(OP, "out_scale", out_scale, ndim=0, dtypes=(torch.float32,), device=dev)
 
 
-@torch.library.custom_op("beam::attention", mutates_args=())
+@beam_op("attention", mutates_args=())
 def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, gate: torch.Tensor,
               k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
               q_start: torch.Tensor, hist_start: torch.Tensor, cache_index: torch.Tensor,

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ._common import (FLOAT_DTYPES, cast_rne, check, check_cache_pair, check_tensor, div_rn_by,
                       next_pow2, to_cache)
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "cache_write"
 
@@ -97,7 +97,7 @@ def check_slots(op: str, slot_mapping, t: int, device) -> None:
           f"slot_mapping has {slot_mapping.shape[0]} entries for {t} tokens")
 
 
-@torch.library.custom_op("beam::cache_write", mutates_args=("k_cache", "v_cache"))
+@beam_op("cache_write", mutates_args=("k_cache", "v_cache"))
 def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     check_kv_rows(OP, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -33,7 +33,7 @@ from ._common import (FLOAT_DTYPES, check, check_tensor, last_to_arrive, next_po
                       rows_times_weights_after_wait, sync_counters)
 from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
 from ._reference import route
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "group_router"
 
@@ -232,7 +232,7 @@ def _check(x, weight, bias, n_group: int, topk_group: int, k: int) -> None:
           f"k={k} must be in [1, topk_group * experts_per_group = {topk_group * (e // n_group)}]")
 
 
-@torch.library.custom_op("beam::group_router", mutates_args=())
+@beam_op("group_router", mutates_args=())
 def group_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int,
                  topk_group: int, k: int, renormalize: bool
                  ) -> tuple[torch.Tensor, torch.Tensor]:

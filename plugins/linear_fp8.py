@@ -41,7 +41,7 @@ from ._gemm import gemm_loop, round_to, tile_of, unswap
 from ._moe_common import GemmConfig
 from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
 from ._tiles import linear_config
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 from .tuning import tuned_linear
 
 OP = "linear_fp8"
@@ -84,7 +84,7 @@ def ref_linear_fp8(x, weight, weight_scale, input_scale, out_dtype=None, split_k
                         for s in range(split_k)])
 
 
-@torch.library.custom_op("beam::linear_fp8", mutates_args=())
+@beam_op("linear_fp8", mutates_args=())
 def linear_fp8(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
     out_dtype: Optional[torch.dtype] = None, split_k: int = 1,

@@ -25,7 +25,7 @@ from ._checks import check_device, check_linear_x, check_tensor
 from ._fp8_act import quant_fp8_per_token_block
 from ._gemm import fp8_block_gemm_loop, round_to, tile_of, unswap
 from ._tiles import linear_config
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "linear_fp8_block"
 FP8 = (torch.float8_e4m3fn,)
@@ -47,7 +47,7 @@ def ref_linear_fp8_block(x, weight, weight_scale):
     return F.linear(xq, dequantize_fp8(weight, weight_scale)).to(x.dtype)
 
 
-@torch.library.custom_op("beam::linear_fp8_block", mutates_args=())
+@beam_op("linear_fp8_block", mutates_args=())
 def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     return dispatch(OP, x.device, x, weight, weight_scale)
 

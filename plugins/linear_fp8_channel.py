@@ -32,7 +32,7 @@ from ._fp8_token import quant_fp8_per_token
 from ._gemm import gemm_loop, round_to, tile_of, unswap
 from ._tiles import linear_config
 from .linear_fp8 import DECODE_TILES, SMALL_M
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "linear_fp8_channel"
 FP8 = (torch.float8_e4m3fn,)
@@ -53,7 +53,7 @@ def ref_linear_fp8_channel(x, weight, weight_scale):
     return F.linear(xq, weight.float() * weight_scale[:, None]).to(x.dtype)
 
 
-@torch.library.custom_op("beam::linear_fp8_channel", mutates_args=())
+@beam_op("linear_fp8_channel", mutates_args=())
 def linear_fp8_channel(x: torch.Tensor, weight: torch.Tensor,
                        weight_scale: torch.Tensor) -> torch.Tensor:
     return dispatch(OP, x.device, x, weight, weight_scale)

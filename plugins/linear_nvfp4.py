@@ -22,7 +22,7 @@ from ._checks import _expect, check_device, check_linear_x, check_tensor
 from ._gemm import dot_precision, round_to, tile_of, unswap
 from .moe_nvfp4 import use_asm
 from ._tiles import linear_config, nvfp4_k_loop, nvfp4_side
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 from .tuning import tuned_linear
 
 OP = "linear_nvfp4"
@@ -45,7 +45,7 @@ def ref_linear_nvfp4(x, weight, weight_scale, weight_scale_2):
     return F.linear(x.float(), w).to(x.dtype)
 
 
-@torch.library.custom_op("beam::linear_nvfp4", mutates_args=())
+@beam_op("linear_nvfp4", mutates_args=())
 def linear_nvfp4(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
 ) -> torch.Tensor:

@@ -32,7 +32,7 @@ from ._moe_common import (
     check_routing, configs_for, empty_output, fake_moe, finish, past_last_row, plan_routing,
     ref_moe, routing_ptrs,
 )
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "moe_bf16"
 
@@ -47,7 +47,7 @@ def ref_moe_bf16(x, topk_ids, topk_weights, w13, w2, *, per_slot: bool = False,
                    scale=scale)
 
 
-@torch.library.custom_op("beam::moe_bf16", mutates_args=())
+@beam_op("moe_bf16", mutates_args=())
 def moe_bf16(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w2: torch.Tensor, *, per_slot: bool = False, scale: float = 1.0,

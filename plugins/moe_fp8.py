@@ -44,7 +44,7 @@ from ._moe_common import (
     ref_moe, routing_ptrs, signal_ready, tail_ptrs, tma_addressable, wait_for_pair,
 )
 from ._pdl import let_next_launch
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 from .tuning import tuned_moe
 
 OP = "moe_fp8"
@@ -98,7 +98,7 @@ def ref_moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, a13_sca
     )
 
 
-@torch.library.custom_op("beam::moe_fp8", mutates_args=())
+@beam_op("moe_fp8", mutates_args=())
 def moe_fp8(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,

@@ -38,7 +38,7 @@ from ._moe_common import (
     check_ids_in_range, check_routing, check_tensor, configs_for, empty_output, fake_moe, finish,
     past_last_row, plan_routing, ref_moe, routing_ptrs,
 )
-from .registry import PluginError, dispatch, register
+from .registry import beam_op, dispatch, PluginError, register
 
 OP = "moe_fp8_block"
 FP8 = (torch.float8_e4m3fn,)
@@ -81,7 +81,7 @@ def ref_moe_fp8_block(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, *
                    scale=scale)
 
 
-@torch.library.custom_op("beam::moe_fp8_block", mutates_args=())
+@beam_op("moe_fp8_block", mutates_args=())
 def moe_fp8_block(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,

@@ -38,7 +38,7 @@ from ._moe_common import (
     finish, past_last_row, plan_routing, ref_moe, routing_ptrs,
 )
 from .moe_fp8 import DECODE_GATE_UP, DECODE_PAIRS
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "moe_fp8_channel"
 FP8 = (torch.float8_e4m3fn,)
@@ -68,7 +68,7 @@ def ref_moe_fp8_channel(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
                    scale=scale)
 
 
-@torch.library.custom_op("beam::moe_fp8_channel", mutates_args=())
+@beam_op("moe_fp8_channel", mutates_args=())
 def moe_fp8_channel(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,

@@ -41,7 +41,7 @@ from ._moe_common import (
 )
 from ._pdl import let_next_launch
 from ._tiles import A_SIDE_PAIRS, nvfp4_k_loop, nvfp4_side, pairs_position
-from .registry import dispatch, register, triton_interpreted
+from .registry import beam_op, dispatch, register, triton_interpreted
 from .tuning import tuned_moe
 
 OP = "moe_nvfp4"
@@ -102,7 +102,7 @@ def ref_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2
                    scale=scale)
 
 
-@torch.library.custom_op("beam::moe_nvfp4", mutates_args=())
+@beam_op("moe_nvfp4", mutates_args=())
 def moe_nvfp4(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w13_scale: torch.Tensor, w13_scale_2: torch.Tensor,

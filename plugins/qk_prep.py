@@ -40,7 +40,7 @@ from ._pdl import chain_mode, launch_early, let_next_launch, wait_for_inputs
 from ._reference import apply_rope, output_gate, rms_norm, ssmax_scale
 from ._rope import rope_inv_freq, rotation
 from .cache_write import check_slots, ref_cache_write, store_cache_rows
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "qk_prep"
 
@@ -264,7 +264,7 @@ def _check(qkvg, positions, q_norm_weight, k_norm_weight, gate_bias, k_cache, v_
     return hq, dtype
 
 
-@torch.library.custom_op("beam::qk_prep", mutates_args=("k_cache", "v_cache"))
+@beam_op("qk_prep", mutates_args=("k_cache", "v_cache"))
 def qk_prep(qkvg: torch.Tensor, positions: torch.Tensor, q_norm_weight: torch.Tensor,
             k_norm_weight: torch.Tensor, gate_bias: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,

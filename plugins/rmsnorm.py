@@ -18,7 +18,7 @@ from ._reference import rms_norm
 
 from ._common import FLOAT_DTYPES, FP8_DTYPE, cast_rne, check, check_tensor, next_pow2, sm_count
 from ._fp8_act import fp8_codes, load_fp8_scale
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 
 OP = "rmsnorm"
 
@@ -104,7 +104,7 @@ def check_rmsnorm(x: torch.Tensor, weight: torch.Tensor, op: str = OP) -> None:
     check(x.stride(1) == 1 and weight.stride(0) == 1, op, "x rows and weight must be contiguous")
 
 
-@torch.library.custom_op("beam::rmsnorm", mutates_args=())
+@beam_op("rmsnorm", mutates_args=())
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     check_rmsnorm(x, weight)
     return dispatch(OP, x.device, x, weight, eps)

@@ -19,7 +19,7 @@ import torch
 from beam_trtllm.quant_formats import quantize_fp8_activation
 
 from ._common import FP8_DTYPE, check_tensor
-from .registry import dispatch, register
+from .registry import beam_op, dispatch, register
 from .rmsnorm import check_rmsnorm, ref_rmsnorm, rmsnorm_rows
 
 OP = "rmsnorm_fp8"
@@ -41,7 +41,7 @@ def _check(x, weight, x_scale) -> None:
     check_tensor(OP, "x_scale", x_scale, ndim=0, dtypes=(torch.float32,), device=x.device)
 
 
-@torch.library.custom_op("beam::rmsnorm_fp8", mutates_args=())
+@beam_op("rmsnorm_fp8", mutates_args=())
 def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x, weight, x_scale)

@@ -33,6 +33,7 @@ SMOKE = {
     "convert_bench.py": ["--smoke", "--recipes", "fp8-block"],
     "engine_gpu_check.py": ["--smoke"],
     "engine_bench_parallel.py": ["--smoke", "--layouts", "tp1,ep2"],
+    "host_overhead.py": ["--smoke"],
     "grammar_bench.py": ["--smoke", "--batch", "1", "2", "--tokens", "4", "--repeats", "1"],
     "long_context.py": ["--smoke"],
     "serve_bench.py": ["--smoke"],

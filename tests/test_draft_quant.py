@@ -139,7 +139,11 @@ def test_auto_follows_the_targets_quantization(engine_dirs, trained_dir, tmp_pat
     lines = []
     auto = build_engine(fp8_target, tmp_path / "e-auto", BuildOptions(**OPTS), lines.append,
                         draft=src)
-    plan = json.loads((auto / "engine.json").read_text())["quantization"]["layers"]
+    auto_spec = json.loads((auto / "engine.json").read_text())
+    assert auto_spec["options"]["draft_quant"] == "auto" and auto_spec["draft"] == {"quant": "fp8"}
+    assert json.loads((engine_dirs["auto"] / "engine.json").read_text())["draft"] == \
+        {"quant": "bf16"}
+    plan = auto_spec["quantization"]["layers"]
     assert any(seg["format"] == "fp8_block" for seg in plan["layer0"]["self_attn.qkvg_proj"])
     assert any("--draft-quant auto: fp8" in line for line in lines)
     for name in ("config.json", "model.safetensors", "quant.json"):

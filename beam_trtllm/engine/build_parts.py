@@ -167,10 +167,13 @@ def write_engine_dir(ckpt_dir: Path, reader, cfg: BeamConfig, scheme: Scheme, tm
         raise EngineError(f"{ckpt_dir}: unexpected tensor {unused[0]}{more}: not part of a "
                           "Beam checkpoint of this config")
     files.update(_copy_side_files(ckpt_dir, tmp, cfg))
+    draft = None
     if draft_dir is not None:
-        from .draft_build import copy_draft
+        from .draft_build import copy_draft, resolve_draft_quant
 
         files.update(copy_draft(draft_dir, cfg, tmp, progress, opts.draft_quant, layer_plan))
+        # options keep what was asked (auto); this is what auto chose
+        draft = {"quant": resolve_draft_quant(opts.draft_quant, layer_plan)}
     tune, written = build_autotune(kv_cfg, layer_plan, opts, kv_dtype, tmp, progress)
     files.update({name: {"bytes": (tmp / name).stat().st_size,
                          "sha256": sha256_file(tmp / name)} for name in written})
@@ -193,6 +196,8 @@ def write_engine_dir(ckpt_dir: Path, reader, cfg: BeamConfig, scheme: Scheme, tm
         "tools": tool_versions(),
         "files": files,
     }
+    if draft is not None:
+        spec["draft"] = draft
     if parallel is not None:
         spec["parallel"] = parallel.to_json()
     (tmp / "engine.json").write_text(json.dumps(spec, indent=2))

@@ -1,0 +1,101 @@
+"""Host time of an eager engine step against the GPU's time for it: the model forward of one
+prefill chunk (launches only, the GPU runs behind) and build_step, on the trained tiny Beam.
+
+    python bench/host_overhead.py --device cuda [--work DIR] [--tokens 60] [--blocks 10]
+    python bench/host_overhead.py --smoke      # the CPU, 16 tokens, 2 blocks (seconds)
+
+An eager step (a prefill chunk, or a mixed prefill + decode step: CUDA graphs cover pure
+decode only) runs several beam:: ops a layer, each a Python launcher plus a Triton launch; on
+a short chunk the host, not the GPU, sets the step's time. Reports the best and the median
+block (of --blocks blocks of 20 forwards, 100 build_steps), wall and the thread's CPU time.
+The ceiling is the forward's GPU time (printed, from one synchronized forward); the host
+should stay below it. To compare two trees, run it twice with PYTHONPATH set to each (the
+engine dir is reused). About a minute on an H200 with the build, seconds after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_bench import trained_engine_dir  # noqa: E402
+
+
+def timed_blocks(fn, blocks: int, per: int, sync) -> dict:
+    wall, cpu = [], []
+    for _ in range(blocks):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        for _ in range(per):
+            fn()
+        wall.append((time.perf_counter() - w0) / per * 1e3)
+        cpu.append((time.thread_time() - c0) / per * 1e3)
+        sync()
+    return {"wall_min": min(wall), "wall_median": statistics.median(wall),
+            "cpu_min": min(cpu), "cpu_median": statistics.median(cpu)}
+
+
+def gpu_time_ms(eng, inputs) -> float:
+    """The forward's GPU time: CUDA events around it, replayed from a graph-free queue that
+    is kept full (a sleep kernel first, so the host's launches finish before the GPU starts)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # ~tens of ms: the launches below queue up behind it
+    start.record()
+    eng.model.forward(inputs)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--work", type=Path, default=Path("/tmp/beam-host-overhead"))
+    p.add_argument("--tokens", type=int, default=60)
+    p.add_argument("--blocks", type=int, default=10)
+    p.add_argument("--smoke", action="store_true", help="CPU, 16 tokens, 2 blocks")
+    args = p.parse_args(argv)
+    if args.smoke:  # (a fresh work dir: never an engine built by other code)
+        args.device, args.tokens, args.blocks = "cpu", 16, 2
+        args.work = Path(tempfile.mkdtemp(prefix="beam-host-overhead-"))
+    import beam_trtllm
+    import plugins
+    from beam_trtllm.engine.batch import build_step
+    from beam_trtllm.engine.engine import Engine
+    from beam_trtllm.engine.types import SamplingParams
+
+    engine_dir = args.work / "engine"
+    if not (engine_dir / "engine.json").exists():
+        trained_engine_dir(args.work, args.device)
+    eng = Engine.from_dir(engine_dir, device=args.device, speculative=False)
+    ids = (eng.tokenizer.encode("def read_lines(path):\n    return open(path).read()\n") * 50)
+    eng.add_request("host", ids[:args.tokens], SamplingParams(max_tokens=1))
+    chunks = eng.scheduler.schedule()
+    step = (chunks, eng.kv_plan.block_size, eng.cfg.sliding_window, eng.device)
+    inputs = build_step(*step, ring_len=eng.kv.ring_len)
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    for _ in range(20):
+        eng.model.forward(inputs)
+    sync()
+    gpu_ms = gpu_time_ms(eng, inputs) if eng.device.type == "cuda" else float("nan")
+    fwd = timed_blocks(lambda: eng.model.forward(inputs), args.blocks, 20, sync)
+    bld = timed_blocks(lambda: build_step(*step, ring_len=eng.kv.ring_len), args.blocks, 100, sync)
+    print(f"code: {Path(beam_trtllm.__file__).parent}, {Path(plugins.__file__).parent}")
+    print(f"{eng.cfg.num_hidden_layers} layers, a {len(chunks[0].token_ids)}-token prefill chunk")
+    print(f"GPU time of the forward (the ceiling): {gpu_ms:.3f} ms")
+    print("| part | wall ms best | wall ms median | CPU ms best | CPU ms median |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, r in (("model.forward", fwd), ("build_step", bld)):
+        print(f"| {name} | {r['wall_min']:.3f} | {r['wall_median']:.3f} | {r['cpu_min']:.3f} | "
+              f"{r['cpu_median']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
