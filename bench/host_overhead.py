@@ -7,7 +7,8 @@ prefill chunk (launches only, the GPU runs behind) and build_step, on the traine
 An eager step (a prefill chunk, or a mixed prefill + decode step: CUDA graphs cover pure
 decode only) runs several beam:: ops a layer, each a Python launcher plus a Triton launch; on
 a short chunk the host, not the GPU, sets the step's time. Reports the best and the median
-block (of --blocks blocks of 20 forwards, 100 build_steps), wall and the thread's CPU time.
+block (of --blocks blocks of 20 forwards, 100 build_steps), wall and the thread's CPU time,
+and what one op's registration costs a call (beam_op against torch.library.custom_op).
 The ceiling is the forward's GPU time (printed, from one synchronized forward); the host
 should stay below it. To compare two trees, run it twice with PYTHONPATH set to each (the
 engine dir is reused). About a minute on an H200 with the build, seconds after.
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_bench import trained_engine_dir  # noqa: E402
+# appended, not prepended: PYTHONPATH picks the tree under test (an A/B of two trees)
+sys.path += [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 
 def timed_blocks(fn, blocks: int, per: int, sync) -> dict:
@@ -54,6 +55,29 @@ def gpu_time_ms(eng, inputs) -> float:
     return start.elapsed_time(end)
 
 
+def registration_us(x: torch.Tensor, blocks: int) -> dict:
+    """Host us a call of beam::add_rmsnorm on a prefill chunk's rows three ways, alternated
+    block by block in this process (so a slower host moves all three alike): as registered
+    (registry.beam_op), the same Python function as a torch.library.custom_op (how the ops
+    were registered before 2026-12-02), and the function called directly."""
+    from plugins.add_rmsnorm import add_rmsnorm
+
+    body = add_rmsnorm.__wrapped__
+    twin = torch.library.custom_op("beam_host_overhead::add_rmsnorm", mutates_args=())(body)
+    w = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+    calls = {"beam_op": lambda: add_rmsnorm(x, x, w, w, 1.0, 1.0, 1e-6),
+             "custom_op": lambda: twin(x, x, w, w, 1.0, 1.0, 1e-6),
+             "direct": lambda: body(x, x, w, w, 1.0, 1.0, 1e-6)}
+    best = {k: float("inf") for k in calls}
+    for _ in range(blocks):
+        for name, fn in calls.items():
+            t0 = time.thread_time()
+            for _ in range(200):
+                fn()
+            best[name] = min(best[name], (time.thread_time() - t0) / 200 * 1e6)
+    return best
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -73,6 +97,8 @@ def main(argv=None) -> None:
 
     engine_dir = args.work / "engine"
     if not (engine_dir / "engine.json").exists():
+        from spec_bench import trained_engine_dir  # (puts this checkout first on sys.path)
+
         trained_engine_dir(args.work, args.device)
     eng = Engine.from_dir(engine_dir, device=args.device, speculative=False)
     ids = (eng.tokenizer.encode("def read_lines(path):\n    return open(path).read()\n") * 50)
@@ -88,6 +114,11 @@ def main(argv=None) -> None:
     fwd = timed_blocks(lambda: eng.model.forward(inputs), args.blocks, 20, sync)
     bld = timed_blocks(lambda: build_step(*step, ring_len=eng.kv.ring_len), args.blocks, 100, sync)
     print(f"code: {Path(beam_trtllm.__file__).parent}, {Path(plugins.__file__).parent}")
+    if hasattr(plugins.registry, "beam_op"):  # (a tree from before beam_op has no twin to time)
+        x = torch.randn(args.tokens, eng.cfg.hidden_size, dtype=torch.bfloat16, device=eng.device)
+        reg = registration_us(x, args.blocks)
+        print("add_rmsnorm host us a call (best block, thread CPU time): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in reg.items()))
     print(f"{eng.cfg.num_hidden_layers} layers, a {len(chunks[0].token_ids)}-token prefill chunk")
     print(f"GPU time of the forward (the ceiling): {gpu_ms:.3f} ms")
     print("| part | wall ms best | wall ms median | CPU ms best | CPU ms median |")
