@@ -31,7 +31,7 @@ def sampling_params(request: dict, max_seq_len: int, role: str):
         stop_ids += list(request.get("eos_token_ids") or [])
     top_k = so.get("top_k")
     logprobs, _ = parse_logprob_options(request.get("output_options") or {})
-    _refuse_unsupported(so, sc)
+    _refuse_unsupported(so, sc, request.get("output_options") or {})
     beam = (request.get("extra_args") or {}).get("beam") or {}
     return SamplingParams(
         max_tokens=int(max_tokens),
@@ -52,9 +52,12 @@ def sampling_params(request: dict, max_seq_len: int, role: str):
     )
 
 
-def _refuse_unsupported(so: dict, sc: dict) -> None:
+def _refuse_unsupported(so: dict, sc: dict, oo: dict) -> None:
     """What Dynamo's Rust path may forward that the engine cannot honour: an error naming it
     (the frontend answers 400), never accepted and ignored."""
+    if oo.get("prompt_logprobs"):  # /v1/completions `echo` arrives as prompt_logprobs=1
+        raise ValueError("echo / prompt_logprobs is not supported: the engine computes logits "
+                         "only for the rows it samples")
     if (so.get("n") or 1) != 1:
         raise ValueError(f"n={so['n']}: the engine samples one sequence per request")
     if so.get("guided_decoding"):

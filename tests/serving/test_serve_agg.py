@@ -166,3 +166,14 @@ def test_malformed_and_overlong_requests_get_4xx(agg, path, body, status):
 def test_openai_client_sees_a_bad_request_error(agg):
     with pytest.raises(openai.BadRequestError, match="context length"):
         client(agg).completions.create(model="beam", prompt="hi", max_tokens=5000)
+
+
+def test_completions_echo_is_refused_with_a_400_naming_it(agg):
+    """/v1/completions `echo` reaches the worker as prompt_logprobs (Dynamo's Rust path), which
+    the engine does not compute: a 400 naming it, never a 200 without the prompt."""
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client(agg).completions.create(model="beam", prompt=PROMPTS[0], max_tokens=6,
+                                       temperature=0, echo=True)
+    resp = client(agg).completions.create(model="beam", prompt=PROMPTS[0], max_tokens=2,
+                                          temperature=0)  # (the worker serves on)
+    assert resp.choices[0].finish_reason == "length"
