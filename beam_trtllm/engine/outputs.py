@@ -1,6 +1,12 @@
 """What happens after a forward: commit the chunks, sample (grammar masks filled for the
 constrained rows), apply stop conditions, emit `RequestOutput`s (the part of `Engine` between
-the model and the caller)."""
+the model and the caller).
+
+A constrained step's host work is kept off the GPU's critical path: the masks are filled after
+the forward is launched (while the GPU runs it) in one call for the batch, into a host buffer
+reused every step that reaches the GPU without a synchronizing copy; the rows are masked in
+place; the sampled tokens are accepted in one call.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import torch
 
 from .detok import IncrementalDetokenizer
 from .request import Request, State
-from .sampler import sample, token_logprobs
+from .sampler import BitmaskBuffers, penalized, sample, token_logprobs
 from .types import EngineError, RequestOutput
 
 
@@ -59,15 +65,18 @@ class OutputMixin:
             logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
         params = [r.sampling for r in reqs]
         histories = ([(r.prompt_ids, r.output_ids) for r in reqs]
-                     if any(p.shapes_logits for p in params) else None)
-        bitmask, rows = self._grammar_masks(reqs, logits.shape[-1])
+                     if any(penalized(p) for p in params) else None)
+        rows = [b for b, p in enumerate(params) if p.structural_tag]
+        masks = self._grammar_masks(reqs, rows) if rows else (None, None)
         tokens, logprobs = sample(logits, params, [len(r.output_ids) for r in reqs],
-                                  self.generator, histories, bitmask, rows)
-        outputs = []
-        for req, token, lp in zip(reqs, tokens, logprobs):
+                                  self.generator, histories, masks[0], rows, masks[1])
+        for req, token in zip(reqs, tokens):
             req.output_ids.append(token)
-            self.stats["generated_tokens"] += 1
-            outputs.append(self._token_output(req, token, lp))
+        self.stats["generated_tokens"] += len(reqs)
+        verdicts = self._accept_rows(reqs, tokens, rows) if rows else {}
+        outputs = []
+        for b, (req, token, lp) in enumerate(zip(reqs, tokens, logprobs)):
+            outputs.append(self._token_output(req, token, lp, verdicts.get(b)))
         return outputs
 
     def _verify(self, chunks, verify: list[int], rows, outputs) -> None:
@@ -138,32 +147,54 @@ class OutputMixin:
             req.grammar = self._grammar_compiler().matcher(req.sampling.structural_tag)
         return req.grammar
 
-    def _grammar_masks(self, reqs: list[Request], vocab: int):
-        rows = [b for b, r in enumerate(reqs) if r.sampling.structural_tag]
-        if not rows:
-            return None, []
-        import xgrammar as xgr
+    def _filler(self):
+        filler = getattr(self, "_mask_filler", None)
+        if filler is None:
+            from ..chat.grammar import MaskFiller
 
-        matchers = [self._matcher(reqs[b]) for b in rows]
-        bitmask = xgr.allocate_token_bitmask(len(reqs), vocab)
-        if len(rows) > 1:
-            batch = getattr(self, "_batch_matcher", None) or xgr.BatchGrammarMatcher()
-            self._batch_matcher = batch
-            batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        else:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-        return bitmask, rows
+            filler = self._mask_filler = MaskFiller()
+        return filler
 
-    def _token_output(self, req: Request, token: int, lp) -> RequestOutput:
+    def _bitmask_buffers(self, batch: int) -> BitmaskBuffers:
+        """The engine's bitmask buffers, grown to `batch` rows."""
+        buffers = getattr(self, "_bitmasks", None)
+        if buffers is None or buffers.rows < batch:
+            buffers = self._bitmasks = BitmaskBuffers(max(batch, self.options.max_batch),
+                                                      self.cfg.vocab_size, self.device)
+        return buffers
+
+    def _grammar_masks(self, reqs: list[Request], rows: list[int]):
+        """(bitmask on the logits' device, index of `rows` there or None) for the constrained
+        rows `rows` of the step's sampled requests `reqs`."""
+        buffers = self._bitmask_buffers(len(reqs))
+        buffers.wait()
+        self._filler().fill(buffers.host, [self._matcher(reqs[b]) for b in rows], rows)
+        return buffers.to_device(len(reqs), rows)
+
+    def _accept_rows(self, reqs: list[Request], tokens: list[int], rows: list[int]) -> dict:
+        """Row -> (token accepted, grammar finished) for the constrained rows."""
+        matchers = [reqs[b].grammar for b in rows]
+        accepted = self._filler().accept(matchers, [tokens[b] for b in rows])
+        # a matcher ends only on one of its stop tokens (the engine's eos ids)
+        return {b: (ok, ok and tokens[b] in self.eos_token_ids and m.is_terminated())
+                for b, m, ok in zip(rows, matchers, accepted)}
+
+    def _token_output(self, req: Request, token: int, lp, verdict=None) -> RequestOutput:
+        """`verdict`: (accepted, grammar finished) when the caller already had the request's
+        matcher accept `token` (`_accept_rows`); None: accepted here."""
         matcher = self._matcher(req)
-        if matcher is not None and not matcher.accept_token(token):
+        if matcher is not None and verdict is None:
+            ok = matcher.accept_token(token)
+            verdict = (ok, ok and token in self.eos_token_ids and matcher.is_terminated())
+        if verdict is not None and not verdict[0]:
             self._finish(req, "error", emit=False)
             return RequestOutput(req.request_id, [], finished=True, finish_reason="error",
                                  error=f"request {req.request_id!r}: token {token} is outside "
                                        "the request's grammar",
                                  num_prompt_tokens=len(req.prompt_ids))
-        return self._output(req, [token], [lp] if lp is not None else None,
-                            self._stop_reason(req, token))
+        # a finished grammar takes no more tokens: the request ends (under ignore_eos too)
+        reason = "stop" if verdict is not None and verdict[1] else self._stop_reason(req, token)
+        return self._output(req, [token], [lp] if lp is not None else None, reason)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.sampling

@@ -7,8 +7,12 @@ exponential race: exactly a draw from p). With a seed, E comes from a generator 
 is in its batch and even after a preemption recomputed its KV. Without a seed the engine's
 own generator is used. Logprobs are those of the model's distribution (log-softmax of the raw
 logits, before penalties, temperature and filters), as vLLM and the OpenAI API report them.
-Rows whose request shapes its logits (penalties, logit bias, a grammar) are changed on a copy
-in vLLM's order: bias, penalties, grammar mask; other rows cost nothing extra.
+Rows with penalties or a logit bias are changed on an fp32 copy in vLLM's order (bias,
+penalties, then the grammar mask); grammar masks alone are applied in place to the rows they
+constrain (a masked entry becomes -inf, the others keep their values: argmax and the filters
+see what they would on a copy), so an unconstrained row costs nothing extra. A step's masks
+travel in `BitmaskBuffers`: one host buffer reused every step (pinned on CUDA) copied without
+synchronizing into one device buffer.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import math
 
 import torch
 
+from .host_buffers import Staging
 from .types import SamplingParams, TokenLogprobs
 
 
@@ -51,30 +56,77 @@ def exponential_noise(n: int, seed: int | None, index: int, device, generator) -
     return torch.empty(n).exponential_(generator=g).to(device)
 
 
+def penalized(p: SamplingParams) -> bool:
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
+
+
 def shape_logits(logits: torch.Tensor, params: list[SamplingParams],
                  histories: list[tuple[list[int], list[int]]] | None,
-                 bitmask: torch.Tensor | None, mask_rows: list[int]) -> torch.Tensor:
-    """The logits sampling uses: a copy with the rows of requests that shape theirs changed
-    (bias, penalties, grammar mask), or `logits` itself when no row does."""
-    rows = [b for b, p in enumerate(params) if p.shapes_logits]
-    if not rows:
-        return logits
-    out = logits.float().clone()
+                 bitmask: torch.Tensor | None, mask_rows: list[int],
+                 mask_index: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits sampling uses: an fp32 copy when a row has a bias or penalties (changed on
+    it), else `logits` itself; the grammar rows `mask_rows` are masked in place on whichever
+    it is (`mask_index`: the same rows as an int32 tensor on the logits' device)."""
+    rows = [b for b, p in enumerate(params) if p.logit_bias or penalized(p)]
+    out = logits
+    if rows:
+        out = logits.float().clone()
     for b in rows:
         p = params[b]
         row = out[b]
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
             row.index_add_(0, ids, torch.tensor([v for _, v in p.logit_bias], device=row.device))
-        if histories is not None and (p.frequency_penalty or p.presence_penalty
-                                      or p.repetition_penalty != 1.0):
+        if histories is not None and penalized(p):
             _penalize(row, p, *histories[b])
-    if bitmask is not None and mask_rows:
-        import xgrammar as xgr
-
-        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True),
-                                        indices=mask_rows)
+    if bitmask is not None and len(mask_rows):
+        apply_bitmask(out, bitmask, list(mask_rows), mask_index)
     return out
+
+
+def apply_bitmask(out: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                  index: torch.Tensor | None = None) -> None:
+    """-inf where the packed bitmask row (the row of `out` it masks) has a 0 bit."""
+    import xgrammar as xgr
+
+    if bitmask.device != out.device:  # a caller's host bitmask (BitmaskBuffers copies its own)
+        bitmask = bitmask.to(out.device)
+    n = out.shape[0]
+    if len(rows) == n:  # every row (distinct rows): no index to pass
+        xgr.apply_token_bitmask_inplace(out, bitmask[:n])
+    else:
+        xgr.apply_token_bitmask_inplace(out, bitmask, indices=index if index is not None else rows)
+
+
+class BitmaskBuffers:
+    """A step's grammar bitmask [rows, ceil(vocab / 32)] int32 and its masked rows' index:
+    `host` is filled (xgrammar writes it), `to_device` hands them to `sample`."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device):
+        words = (vocab + 31) // 32
+        self.device = torch.device(device)
+        self.rows, self.vocab = rows, vocab
+        if self.device.type == "cuda":
+            dev = {"mask": torch.empty((rows, words), dtype=torch.int32, device=device),
+                   "index": torch.empty(rows, dtype=torch.int32, device=device)}
+            self.stage = Staging(dev, self.device)
+            self.host = self.stage.host["mask"]
+        else:
+            self.stage, self.host = None, torch.full((rows, words), -1, dtype=torch.int32)
+
+    def wait(self) -> None:
+        """Before writing `host`: its last copy to the device has run."""
+        if self.stage is not None:
+            self.stage.wait()
+
+    def to_device(self, batch: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bitmask rows [0, batch) on the device, `rows` as an int32 device tensor or None on
+        the CPU); the copies do not synchronize the host with the GPU."""
+        if self.stage is None:
+            return self.host[:batch], None
+        self.stage.np["index"][:len(rows)] = rows
+        self.stage.copy(batch)
+        return self.stage.dev["mask"][:batch], self.stage.dev["index"][:len(rows)]
 
 
 def _penalize(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> None:
@@ -92,16 +144,20 @@ def _penalize(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: l
 def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
            generator: torch.Generator | None = None,
            histories: list[tuple[list[int], list[int]]] | None = None,
-           bitmask: torch.Tensor | None = None,
-           mask_rows: list[int] = ()) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits [B, V] (fp32) -> (token per row, logprobs per row or None).
+           bitmask: torch.Tensor | None = None, mask_rows: list[int] = (),
+           mask_index: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [B, V] -> (token per row, logprobs per row or None). The rows `mask_rows` of
+    `logits` are masked in place.
 
     `indices[b]`: how many tokens row b's request has generated before this one (seeding).
-    `histories[b]`: (prompt ids, output ids) of row b, for penalties; `bitmask` rows
-    `mask_rows`: the grammar's allowed tokens (xgrammar's packed bitmask, filled by the caller).
+    `histories[b]`: (prompt ids, output ids) of row b, for penalties (None when no row has
+    any); `bitmask` rows `mask_rows`: the grammar's allowed tokens (xgrammar's packed bitmask,
+    filled by the caller; `mask_index` the same rows on the logits' device).
     """
-    raw = logits
-    logits = shape_logits(logits, params, histories, bitmask, list(mask_rows))
+    want = [b for b, p in enumerate(params) if p.logprobs is not None]
+    # the model's distribution: read before a grammar masks rows in place
+    lp = logits[want].float().log_softmax(-1) if want else None
+    logits = shape_logits(logits, params, histories, bitmask, list(mask_rows), mask_index)
     tokens = logits.argmax(-1)
     for b, p in enumerate(params):
         if p.greedy:
@@ -110,12 +166,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int
         noise = exponential_noise(probs.numel(), p.seed, indices[b], logits.device, generator)
         tokens[b] = (probs / noise).argmax()
     token_list = tokens.tolist()
-    want = [b for b, p in enumerate(params) if p.logprobs is not None]
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
-    if want:
-        lp = raw[want].float().log_softmax(-1)
-        for row, b in enumerate(want):
-            logprobs[b] = token_logprobs(lp[row], token_list[b], params[b].logprobs)
+    for row, b in enumerate(want):
+        logprobs[b] = token_logprobs(lp[row], token_list[b], params[b].logprobs)
     return token_list, logprobs
 
 
