@@ -193,6 +193,10 @@ def test_stop_strings_and_seeded_sampling_through_the_engine(engine):
     out = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))[0]
     assert out["finish_reason"] == "stop" and out["text"] == text[:first]
     assert out["token_ids"] == full["token_ids"][:len(out["token_ids"])]
+    # it ends on the token that completes the stop string, not one step later
+    ends = next(n for n in range(1, 25)
+                if stop in engine.tokenizer.decode(full["token_ids"][:n]))
+    assert len(out["token_ids"]) == ends
     # a seeded request samples the same tokens alone and in a batch with other requests
     seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
     alone = engine.generate([prompt], seeded)[0]["token_ids"]

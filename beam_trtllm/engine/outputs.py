@@ -119,6 +119,8 @@ class OutputMixin:
     def _output(self, req: Request, tokens: list[int], logprobs, reason: str | None):
         """The RequestOutput of tokens already appended to the request; `reason` ends it."""
         text = req.detok.add(tokens) if req.detok is not None else ""
+        if reason is None and req.detok is not None and req.detok.stopped:
+            reason = "stop"  # these tokens completed a stop string: no step past it
         out = RequestOutput(req.request_id, tokens, text=text, logprobs=logprobs,
                             num_prompt_tokens=len(req.prompt_ids),
                             num_cached_tokens=req.num_cached_tokens)
