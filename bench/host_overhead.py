@@ -79,7 +79,8 @@ def registration_us(x: torch.Tensor, blocks: int) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--work", type=Path, default=Path("/tmp/beam-host-overhead"))
     p.add_argument("--tokens", type=int, default=60)
