@@ -60,12 +60,13 @@ def random_state_dict(cfg: BeamConfig, seed: int = 0) -> dict[str, torch.Tensor]
 
 
 def init_tiny(out_dir: str | Path, seed: int = 0, cfg: BeamConfig | None = None,
-              max_shard_bytes: int = 512 << 10) -> Path:
-    """Write config, sharded BF16 weights (router FP32), generation config and tokenizer."""
+              max_shard_bytes: int = 512 << 10, corpus_lines: list[str] | None = None) -> Path:
+    """Write config, sharded BF16 weights (router FP32), generation config and tokenizer
+    (a BPE of cfg.vocab_size tokens trained on `corpus_lines`, default the bundled corpus)."""
     cfg = cfg or PRESETS["tiny"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer_files(out, cfg.vocab_size, cfg.max_position_embeddings)
+    ids = write_tokenizer_files(out, cfg.vocab_size, cfg.max_position_embeddings, corpus_lines)
     eos = [ids[t] for t in EOS_TOKENS]
     cfg = cfg.replace(bos_token_id=ids[END_OF_TEXT], eos_token_id=eos, pad_token_id=ids[PAD])
     (out / "config.json").write_text(json.dumps(cfg.to_hf(dtype="bfloat16"), indent=2))

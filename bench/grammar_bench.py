@@ -19,7 +19,6 @@ made-up words. About 3 minutes on the 2-core CPU box with the defaults (64 token
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -46,28 +45,13 @@ def _made_up_corpus(vocab: int) -> list[str]:
 
 def _tiny_checkpoint(out: Path, vocab: int | None) -> Path:
     """init_tiny's checkpoint, with a tokenizer of `vocab` tokens when given."""
+    from beam_trtllm.config import PRESETS
     from beam_trtllm.tiny import init_tiny
 
     if vocab is None:
         return init_tiny(out, seed=0)
-    from beam_trtllm.checkpoint import save_sharded
-    from beam_trtllm.config import PRESETS
-    from beam_trtllm.tiny import SPECIAL_LOGIT_DAMPING, random_state_dict
-    from beam_trtllm.tokenizer import END_OF_TEXT, EOS_TOKENS, PAD, write_tokenizer_files
-
-    cfg = PRESETS["tiny"].replace(vocab_size=vocab)
-    out.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer_files(out, vocab, cfg.max_position_embeddings, _made_up_corpus(vocab))
-    cfg = cfg.replace(bos_token_id=ids[END_OF_TEXT], eos_token_id=[ids[t] for t in EOS_TOKENS],
-                      pad_token_id=ids[PAD])
-    (out / "config.json").write_text(json.dumps(cfg.to_hf(dtype="bfloat16"), indent=2))
-    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-                  "pad_token_id": cfg.pad_token_id, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    state = random_state_dict(cfg, 0)
-    state["lm_head.weight"][sorted(ids.values())] *= SPECIAL_LOGIT_DAMPING  # as init_tiny
-    save_sharded(state, out, 512 << 10)
-    return out
+    return init_tiny(out, seed=0, cfg=PRESETS["tiny"].replace(vocab_size=vocab),
+                     corpus_lines=_made_up_corpus(vocab))
 
 
 def _engine(args):
