@@ -66,21 +66,24 @@ def build_step(chunks: list[Chunk], block_size: int, window: int, device: torch.
     table = np.zeros((len(tables), width), dtype=np.int64)
     for b, t in enumerate(tables):
         table[b, :len(t)] = t
-    i64 = (ids, pos, slot_full, slot_sliding, write_rows, write_slots, restore_rows,
-           restore_slots, logits_rows)
-    i32 = (cu, q_start, [0] * len(q_start), hist, rings)
-    v = _to_device(list(i64) + list(i32), table, device)
-    return StepInputs(
-        input_ids=v[0], positions=v[1], cu_seqlens=v[9], q_start=v[10], hist_full=v[11],
-        hist_sliding=v[12], block_table=v[14], ring_index=v[13].view(-1, 1), slot_full=v[2],
-        slot_sliding=v[3], write_rows=v[4], write_slots=v[5], restore_rows=v[6],
-        restore_slots=v[7], logits_rows=v[8])
+    i64 = {"input_ids": ids, "positions": pos, "slot_full": slot_full,
+           "slot_sliding": slot_sliding, "write_rows": write_rows, "write_slots": write_slots,
+           "restore_rows": restore_rows, "restore_slots": restore_slots,
+           "logits_rows": logits_rows}
+    i32 = {"cu_seqlens": cu, "q_start": q_start, "hist_full": [0] * len(q_start),
+           "hist_sliding": hist, "ring_index": rings}
+    t = _to_device(i64, i32, table, device)
+    t["ring_index"] = t["ring_index"].view(-1, 1)
+    return StepInputs(**t)
 
 
-def _to_device(lists: list, table: np.ndarray, device: torch.device) -> list[torch.Tensor]:
-    """The step's index lists (the first 9 int64, the rest int32) and its block table [B, M]
-    (int32) as device tensors: one pinned host buffer, one copy, views of it. Fifteen small
-    pageable copies took ~15 us each on the H200's host, and each waited for the GPU."""
+def _to_device(i64: dict, i32: dict, table: np.ndarray, device: torch.device) -> dict:
+    """The step's index lists (int64 and int32 ones, by field) and its block table [B, M]
+    (int32, `block_table`) as device tensors: one pinned host buffer, one copy, views of it.
+    Fifteen small pageable copies took ~15 us each on the H200's host, and each waited for
+    the GPU."""
+    names = list(i64) + list(i32)
+    lists = list(i64.values()) + list(i32.values())
     sizes = [len(x) for x in lists] + [table.size]
     host = np.empty(sum(sizes), dtype=np.int64)
     at = 0
@@ -91,8 +94,9 @@ def _to_device(lists: list, table: np.ndarray, device: torch.device) -> list[tor
     buf = torch.from_numpy(host)
     if device.type == "cuda":  # (the caching host allocator keeps the block until the copy ran)
         buf = buf.pin_memory().to(device, non_blocking=True)
-    n64 = sum(sizes[:9])
-    wide, narrow = buf[:n64], buf[n64:].to(torch.int32)
-    out = list(wide.split(sizes[:9])) + list(narrow.split(sizes[9:]))
-    out[-1] = out[-1].view(table.shape)
+    n64 = sum(sizes[:len(i64)])
+    parts = (list(buf[:n64].split(sizes[:len(i64)])) +
+             list(buf[n64:].to(torch.int32).split(sizes[len(i64):])))
+    out = dict(zip(names, parts))
+    out["block_table"] = parts[-1].view(table.shape)
     return out
