@@ -69,18 +69,64 @@ class BeamChatProcessor:
         except ChatRequestError as exc:
             raise InvalidArgument(str(exc)) from None
         created = int(time.time())
-        # The router keys a request by its context id, so the n choices run one after another.
-        for index in range(plan.n):
+        choices = (self._choice(0, plan, request, context) if plan.n == 1 else
+                   self._choices_at_once(plan, request, context))
+        async for item in choices:
+            yield {"_dynamo_annotated": True, "data": {
+                "id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": request.get("model"), **item}}
+
+    async def _choice(self, index, plan: ChatPlan, request, context) -> AsyncIterator[dict]:
+        """One choice's chunks; a failure other than the client's reaches it as Unknown."""
+        try:
+            async for item in self._run_choice(index, plan, request, context):
+                yield item
+        except (InvalidArgument, Unknown, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the client gets the reason, not a hang
+            log.exception("chat choice %d failed", index)
+            raise Unknown(f"chat request failed: {exc}") from None
+
+    async def _choices_at_once(self, plan: ChatPlan, request, context) -> AsyncIterator[dict]:
+        """n > 1: the choices run concurrently, each as its own routed request (the router keys
+        a request by its context id: each gets a detached context, stopped with the client's),
+        their chunks interleaved as they come (each names its choice's index)."""
+        subs = [context.detached(f"{context.id()}-{i}") if context is not None else None
+                for i in range(plan.n)]
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def run(i):
             try:
-                async for item in self._run_choice(index, plan, request, context):
-                    yield {"_dynamo_annotated": True, "data": {
-                        "id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": request.get("model"), **item}}
-            except (InvalidArgument, Unknown, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - the client gets the reason, not a hang
-                log.exception("chat choice %d failed", index)
-                raise Unknown(f"chat request failed: {exc}") from None
+                async for item in self._choice(i, plan, request, subs[i]):
+                    await queue.put(item)
+                await queue.put(done)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer below
+                await queue.put(exc)
+
+        async def follow_client():
+            await context.async_killed_or_stopped()
+            for sub in subs:
+                sub.stop_generating()
+
+        tasks = [asyncio.create_task(run(i)) for i in range(plan.n)]
+        watch = asyncio.create_task(follow_client()) if context is not None else None
+        try:
+            finished = 0
+            while finished < plan.n:
+                item = await queue.get()
+                if item is done:
+                    finished += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for sub in subs:
+                if sub is not None and finished < plan.n:
+                    sub.stop_generating()
+            for task in tasks + ([watch] if watch else []):
+                task.cancel()
 
     async def _run_choice(self, index, plan: ChatPlan, request, context) -> AsyncIterator[dict]:
         preproc = json.loads(json.dumps(plan.preproc))

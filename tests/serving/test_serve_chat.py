@@ -94,3 +94,43 @@ def test_unsupported_parameters_get_a_400_naming_them(graph):
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         c.chat.completions.create(model="beam", messages=ASK, tools=[TOOL], max_tokens=2,
                                   tool_choice={"type": "function", "function": {"name": "g"}})
+
+
+def test_n_choices_run_at_once_each_with_its_own_seed(graph):
+    """n = 3 sampled choices: each is what one request with seed + index gives (the processor
+    runs them as three routed requests at once), streamed or not."""
+    c = client(graph)
+    body = dict(model="beam", messages=ASK, max_tokens=10, temperature=1.0, seed=11,
+                extra_body=NO_THINK)
+    many = c.chat.completions.create(n=3, **body)
+    assert sorted(ch.index for ch in many.choices) == [0, 1, 2]
+    alone = [c.chat.completions.create(**{**body, "seed": 11 + i}).choices[0] for i in range(3)]
+    for ch in many.choices:
+        assert ch.message.content == alone[ch.index].message.content
+        assert ch.finish_reason == alone[ch.index].finish_reason
+    assert len({a.message.content for a in alone}) > 1  # (the seeds do sample differently)
+    texts = {}
+    for chunk in c.chat.completions.create(n=3, stream=True, **body):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+    assert texts == {ch.index: ch.message.content for ch in many.choices}
+
+
+def test_n_choices_stop_with_the_client(graph):
+    """A client that leaves mid-stream stops every choice at once (all KV free within 3 s),
+    and the graph answers the next request."""
+    c = client(graph)
+    stream = c.chat.completions.create(model="beam", messages=ASK, max_tokens=400, n=3,
+                                       temperature=1.0, stream=True, extra_body={
+                                           **NO_THINK, "ignore_eos": True})
+    seen = set()
+    for chunk in stream:
+        seen |= {ch.index for ch in chunk.choices if ch.delta.content}
+        if len(seen) == 3:
+            break
+    stream.close()
+    # the three would decode ~400 tokens each for many seconds more on this CPU if left on
+    wait_all_free(graph, timeout_s=3.0)
+    after = c.chat.completions.create(model="beam", messages=ASK, max_tokens=4, temperature=0,
+                                      extra_body=NO_THINK)
+    assert after.choices[0].finish_reason in ("length", "stop")
