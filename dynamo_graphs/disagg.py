@@ -114,20 +114,22 @@ class DecodeSide:
         with self._lock:
             try:
                 agent = self.transport._connect(params)
-            except KvTransferError:
-                return
-            self.transport.notify_failure(agent, str(params["handle_id"]))
+                handle_id = str(params["handle_id"])
+            except (KvTransferError, KeyError, TypeError, ValueError):
+                return  # unreachable or too malformed to name: the prefill side's TTL frees it
+            self.transport.notify_failure(agent, handle_id)
 
     async def pull(self, request_id: str, prompt: list[int], params: dict):
         """Reserve, READ and return the handle to continue from; raises KvTransferError."""
         from beam_trtllm.engine.types import KVCapacityError
 
-        if params.get("num_tokens") != len(prompt):
-            raise KvTransferError(f"KV handle {params.get('handle_id')}: it holds "
-                                  f"{params.get('num_tokens')} tokens, the prompt has {len(prompt)}")
-        budget = self.timeouts.kv_transfer_s(int(params["nbytes"]))
-        deadline = time.monotonic() + self.timeouts.kv_handoff_ttl_s
         try:
+            if params.get("num_tokens") != len(prompt):
+                raise KvTransferError(f"KV handle {params.get('handle_id')}: it holds "
+                                      f"{params.get('num_tokens')} tokens, the prompt has "
+                                      f"{len(prompt)}")
+            budget = self.timeouts.kv_transfer_s(int(params["nbytes"]))
+            deadline = time.monotonic() + self.timeouts.kv_handoff_ttl_s
             while True:
                 try:
                     reserved = self.engine.kv_reserve(request_id, len(prompt))
@@ -137,8 +139,8 @@ class DecodeSide:
                         raise KvTransferError(f"KV handle {params.get('handle_id')}: no room "
                                               "to receive it before its TTL") from None
                     await asyncio.sleep(0.01)
-        except BaseException:  # cancelled or out of time before the READ: free the source now
-            await asyncio.shield(self.decline(params))
+        except BaseException:  # refused, cancelled or out of time before the READ: free the
+            await asyncio.shield(self.decline(params))  # source now, not at its TTL
             raise
         read = asyncio.ensure_future(asyncio.to_thread(self._read, params, reserved, budget))
         self.stats["in_flight"] += 1

@@ -130,7 +130,8 @@ def test_a_mismatched_prompt_is_refused_before_reserving(pair):
     handle = _prefill(pe, prefill, "len-1")
     with pytest.raises(KvTransferError, match="holds 20 tokens, the prompt has 19"):
         asyncio.run(decode.pull("len-1", PROMPT[:-1], handle))
-    prefill._release("len-1", "released_failed")
+    _drain(prefill, decode=decode)  # the refusal declined the handle: its pin is freed now
+    assert prefill.stats["released_failed"] == 1
     _assert_free(pe, de)
 
 
@@ -163,6 +164,37 @@ def test_decode_worker_failure_policy(pair, engine_dir, policy):
         tokens, _ = _run(de, "p-1")
         want = Engine.generate(pe, [PROMPT], SamplingParams(max_tokens=6))[0]["token_ids"]
         assert tokens == want
+    _drain(prefill, decode=worker.decode)
+    _assert_free(pe, de)
+
+
+@pytest.mark.parametrize("policy", ["error", "recompute"])
+def test_a_malformed_handle_is_not_retried(pair, engine_dir, policy):
+    """A handle missing a field (a prefill worker of another version): under `error` a
+    non-retryable Unknown naming it (a migration would prefill again and fail the same way);
+    under `recompute` the decode worker computes the prompt."""
+    from dynamo.llm.exceptions import Unknown
+
+    from dynamo_graphs.worker import BeamWorker, RequestSlot, parse_args
+
+    pe, de, a, b = pair
+    worker = BeamWorker(parse_args(["--engine-dir", str(engine_dir), "--role", "decode",
+                                    "--on-transfer-failure", policy]))
+    worker.engine, worker.decode = de, DecodeSide(de, b, Timeouts())
+    prefill = PrefillSide(pe, a, ttl_s=30)
+    handle = dict(_prefill(pe, prefill, f"bad-{policy}"))
+    del handle["nbytes"]
+    sampling = SamplingParams(max_tokens=6)
+    if policy == "error":
+        with pytest.raises(Unknown, match="KV handle from the prefill worker is malformed"):
+            asyncio.run(worker._admission(RequestSlot("b-1", False), PROMPT, sampling, handle))
+    else:
+        add, cached = asyncio.run(worker._admission(RequestSlot("b-1", False), PROMPT, sampling,
+                                                    handle))
+        assert cached is None
+        add()
+        tokens, _ = _run(de, "b-1")
+        assert tokens == Engine.generate(pe, [PROMPT], SamplingParams(max_tokens=6))[0]["token_ids"]
     _drain(prefill, decode=worker.decode)
     _assert_free(pe, de)
 
