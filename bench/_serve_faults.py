@@ -25,6 +25,7 @@ import signal
 import statistics
 import time
 import urllib.request
+from collections import Counter
 
 SAMPLE = re.compile(r'^(beam_[a-z_]+)(?:\{(.*)\})? ([0-9.e+-]+)$')
 
@@ -197,10 +198,10 @@ async def kill(running, groups: list[str], streams: int, max_tokens: int, hang_s
             out[f"{k + 1}: {victim}"] = {
                 **{f"streams_{o}": sum(r[0] == o for r in results)
                    for o in ("ok", "retryable", "error", "hung")},
-                "stream_errors": _count(e for _, _, e in results if e),
+                "stream_errors": dict(Counter(e for _, _, e in results if e)),
                 "during_n": len(during), "during_ok": len(ok),
                 "during_p50_ms": 1e3 * statistics.median(ok) if ok else float("nan"),
-                "during_errors": _count(e for _, _, e in during if e),
+                "during_errors": dict(Counter(e for _, _, e in during if e)),
                 "migrations": moved,
                 "back_s": (running.supervisor.events[-1]["back_s"]
                            if len(running.supervisor.events) > n_events else float("nan"))}
@@ -222,13 +223,6 @@ def migrations(url: str) -> dict[str, int]:
                 key = "/".join(v for v in (labels.get(k, "").strip('"')
                                            for k in ("migration_type", "outcome")) if v)
                 out[key] = out.get(key, 0) + int(float(m.group(2)))
-    return out
-
-
-def _count(keys) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for key in keys:
-        out[key] = out.get(key, 0) + 1
     return out
 
 

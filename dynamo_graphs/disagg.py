@@ -163,3 +163,26 @@ class DecodeSide:
     def _read(self, params: dict, reserved, budget: float) -> float:
         with self._lock:
             return self.transport.read(params, reserved.block_ids, reserved.ring_row, budget)
+
+
+def handoff_failed(rid: str, exc: Exception) -> Exception:
+    """Decode side: the error of a request whose KV never arrived (its prefill worker died, or the handle
+    expired): it must be prefilled again. In a worker, Dynamo 1.6.1 maps `Disconnected` to
+    `backend.disconnected`, which the frontend's request migration re-sends (prefill on a live
+    worker, then decode) without quarantining this healthy decode worker; past
+    `migration_limit` the client gets a 503. Its `WorkerUnavailable` is for frontend engines:
+    raised here it becomes `backend.unknown`, a plain 500 (measured, 2026-12-02). A malformed
+    handle (KeyError / TypeError / ValueError reading it) is not retried: `Unknown`, naming it."""
+    from dynamo.llm.exceptions import Disconnected, Unknown
+
+    if not isinstance(exc, KvTransferError):  # a handle missing or mistyping a field: a
+        # prefill worker of another version or a bug; a fresh prefill would fail the same way
+        log.error("request %s: malformed KV handle from the prefill worker (%s: %s)", rid,
+                  type(exc).__name__, exc)
+        return Unknown(f"request {rid}: the KV handle from the prefill worker is malformed "
+                       f"({type(exc).__name__}: {exc}); are the prefill and decode workers "
+                       "of one beam-trt version?")
+    log.warning("request %s: KV handoff failed (%s); ending it for the frontend to migrate",
+                rid, exc)
+    return Disconnected(f"request {rid}: KV handoff from the prefill worker failed: {exc}; "
+                        "retry the request")

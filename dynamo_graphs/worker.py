@@ -24,9 +24,10 @@ from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, Work
 from dynamo.common.backend.health_check import build_health_check_payload, is_probe
 from dynamo.common.backend.publisher import PushSource
 from dynamo.common.constants import DisaggregationMode
-from dynamo.llm.exceptions import Disconnected, InvalidArgument, Unknown
+from dynamo.llm.exceptions import InvalidArgument, Unknown
 
 from .admission import AdmissionError, Limits, check_admission
+from .disagg import handoff_failed
 from .engine_loop import ABORTED, EngineLoop, RateLimiter
 from .graph import MIB, Timeouts
 from .nixl_kv import KvTransferError
@@ -329,27 +330,6 @@ class RequestSlot:
     finished: bool = False
     exported: bool = False  # prefill: its KV was handed to a decode worker
     how: str | None = None  # how it ended, when not finished
-
-
-def handoff_failed(rid: str, exc: Exception) -> Exception:
-    """The error of a request whose KV never arrived (its prefill worker died, or the handle
-    expired): it must be prefilled again. In a worker, Dynamo 1.6.1 maps `Disconnected` to
-    `backend.disconnected`, which the frontend's request migration re-sends (prefill on a live
-    worker, then decode) without quarantining this healthy decode worker; past
-    `migration_limit` the client gets a 503. Its `WorkerUnavailable` is for frontend engines:
-    raised here it becomes `backend.unknown`, a plain 500 (measured, 2026-12-02). A malformed
-    handle (KeyError / TypeError / ValueError reading it) is not retried: `Unknown`, naming it."""
-    if not isinstance(exc, KvTransferError):  # a handle missing or mistyping a field: a
-        # prefill worker of another version or a bug; a fresh prefill would fail the same way
-        log.error("request %s: malformed KV handle from the prefill worker (%s: %s)", rid,
-                  type(exc).__name__, exc)
-        return Unknown(f"request {rid}: the KV handle from the prefill worker is malformed "
-                       f"({type(exc).__name__}: {exc}); are the prefill and decode workers "
-                       "of one beam-trt version?")
-    log.warning("request %s: KV handoff failed (%s); ending it for the frontend to migrate",
-                rid, exc)
-    return Disconnected(f"request {rid}: KV handoff from the prefill worker failed: {exc}; "
-                        "retry the request")
 
 
 def _dynamo_error(exc: BaseException, request_id: str) -> Exception:

@@ -14,7 +14,7 @@ import torch
 
 from .detok import IncrementalDetokenizer
 from .request import Request, State
-from .sampler import BitmaskBuffers, penalized, sample, token_logprobs
+from .sampler import BitmaskBuffers, sample, token_logprobs
 from .types import EngineError, RequestOutput
 
 
@@ -65,7 +65,7 @@ class OutputMixin:
             logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
         params = [r.sampling for r in reqs]
         histories = ([(r.prompt_ids, r.output_ids) for r in reqs]
-                     if any(penalized(p) for p in params) else None)
+                     if any(p.penalized for p in params) else None)
         rows = [b for b, p in enumerate(params) if p.structural_tag]
         masks = self._grammar_masks(reqs, rows) if rows else (None, None)
         tokens, logprobs = sample(logits, params, [len(r.output_ids) for r in reqs],

@@ -56,10 +56,6 @@ def exponential_noise(n: int, seed: int | None, index: int, device, generator) -
     return torch.empty(n).exponential_(generator=g).to(device)
 
 
-def penalized(p: SamplingParams) -> bool:
-    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
-
-
 def shape_logits(logits: torch.Tensor, params: list[SamplingParams],
                  histories: list[tuple[list[int], list[int]]] | None,
                  bitmask: torch.Tensor | None, mask_rows: list[int],
@@ -67,7 +63,7 @@ def shape_logits(logits: torch.Tensor, params: list[SamplingParams],
     """The logits sampling uses: an fp32 copy when a row has a bias or penalties (changed on
     it), else `logits` itself; the grammar rows `mask_rows` are masked in place on whichever
     it is (`mask_index`: the same rows as an int32 tensor on the logits' device)."""
-    rows = [b for b, p in enumerate(params) if p.logit_bias or penalized(p)]
+    rows = [b for b, p in enumerate(params) if p.logit_bias or p.penalized]
     out = logits
     if rows:
         out = logits.float().clone()
@@ -77,7 +73,7 @@ def shape_logits(logits: torch.Tensor, params: list[SamplingParams],
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
             row.index_add_(0, ids, torch.tensor([v for _, v in p.logit_bias], device=row.device))
-        if histories is not None and penalized(p):
+        if histories is not None and p.penalized:
             _penalize(row, p, *histories[b])
     if bitmask is not None and len(mask_rows):
         apply_bitmask(out, bitmask, list(mask_rows), mask_index)

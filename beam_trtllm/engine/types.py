@@ -78,10 +78,15 @@ class SamplingParams:
             raise EngineError("SamplingParams.logit_bias values must be in [-100, 100]")
 
     @property
+    def penalized(self) -> bool:
+        """True when a frequency, presence or repetition penalty applies (needs the history)."""
+        return bool(self.frequency_penalty or self.presence_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
     def shapes_logits(self) -> bool:
         """True when the logits are changed before sampling (penalties, bias, grammar)."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.structural_tag)
+        return bool(self.penalized or self.logit_bias or self.structural_tag)
 
     @property
     def greedy(self) -> bool:
