@@ -99,5 +99,9 @@ def residual_add(h: torch.Tensor, y: torch.Tensor, a: float, b: float) -> torch.
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in FP32, one rounding to gate's dtype (gate and up are GEMM outputs)."""
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    """silu(gate) * up in FP32, one rounding to gate's dtype (gate and up are GEMM outputs).
+    One FP32 temporary, worked in place: an 8K-token chunk's dense MLP (20480 wide) had four
+    of 640 MiB alive at once."""
+    h = gate.float() if gate.dtype != torch.float32 else gate.clone()
+    F.silu(h, inplace=True)
+    return h.mul_(up).to(gate.dtype)

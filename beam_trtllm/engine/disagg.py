@@ -59,6 +59,7 @@ class DisaggMixin:
                 raise KVCapacityError(f"kv_reserve({request_id!r}): needs {need} blocks and a "
                                       f"ring row; {self.blocks.num_free} blocks and "
                                       f"{self.kv.free_rows} rows are free")
+            self._quiesce()  # a finished request's in-flight step may still write freed blocks
             req = Request(request_id, [], SamplingParams(), next(self._arrivals), num_tokens)
             req.block_ids = self.blocks.allocate(need)
             req.ring_row = self.kv.allocate_row()

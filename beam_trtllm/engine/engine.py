@@ -30,6 +30,7 @@ from .engine_dir import check_device, load_weights, read_engine_dir
 from .kv_cache import KVCache
 from .model import BeamModel
 from .outputs import OutputMixin
+from .overlap import OverlapMixin
 from .plan import BuildOptions, KVPlan, cdiv
 from .request import Request, State
 from .scheduler import Scheduler
@@ -41,11 +42,12 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-class Engine(DisaggMixin, OutputMixin):
+class Engine(DisaggMixin, OutputMixin, OverlapMixin):
     def __init__(self, cfg: BeamConfig, weights: dict[str, torch.Tensor], layer_plan: dict,
                  options: BuildOptions, kv_plan: KVPlan, device: torch.device | str = "cpu",
                  tokenizer=None, eos_token_ids: Sequence[int] = (), use_cuda_graphs: bool = True,
-                 parallel=None, drafter=None, spec: "SpecConfig | None" = None):
+                 parallel=None, drafter=None, spec: "SpecConfig | None" = None,
+                 overlap: bool | None = None):
         self.cfg, self.options, self.kv_plan = cfg, options, kv_plan
         self.parallel = parallel  # a rank of a parallel engine (parallel/rank.py), or None
         kv_cfg = cfg if parallel is None else parallel.mapping.local_config(cfg)  # its KV heads
@@ -95,18 +97,21 @@ class Engine(DisaggMixin, OutputMixin):
                     for n in self.spec.verify_counts}
         self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "restored_tokens": 0, "preemptions": 0}
+        self._init_overlap(overlap)  # decode steps launched ahead (overlap.py)
 
     @classmethod
     def from_dir(cls, path: str | Path, device: torch.device | str | None = None,
                  verify: bool = True, use_cuda_graphs: bool = True, autotune: str | None = None,
                  progress: Callable[[str], None] | None = None,
-                 speculative: "SpecConfig | bool | None" = None) -> "Engine":
+                 speculative: "SpecConfig | bool | None" = None,
+                 overlap: bool | None = None) -> "Engine":
         """Load an engine dir; refuses a corrupt or mismatched one (see engine_dir.py). On CUDA
         the engine's tuned launch shapes are installed first (or searched, if the build left
         that to the first load; `autotune` auto | quick | off, see tuned_kernels.py), so the
         CUDA graphs capture them. `progress` gets one line per step (default: stderr).
         `speculative`: None = on if the dir has a drafter (`build --draft`), False = off, or a
-        SpecConfig (speculative.py)."""
+        SpecConfig (speculative.py). `overlap`: launch decode steps ahead (overlap.py; None =
+        on CUDA)."""
         from ..tokenizer import TextTokenizer
 
         device = torch.device(device) if device is not None else default_device()
@@ -133,7 +138,7 @@ class Engine(DisaggMixin, OutputMixin):
                 find_draft_dir(spec.path, sc), spec.cfg, weights["model.embed_tokens.weight"],
                 weights["lm_head.weight"], device, weights["model.embed_tokens.weight"].dtype)
         return cls(spec.cfg, weights, spec.layer_plan, spec.options, spec.kv, device, tokenizer,
-                   eos_ids, use_cuda_graphs, parallel, drafter, sc)
+                   eos_ids, use_cuda_graphs, parallel, drafter, sc, overlap)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -202,8 +207,10 @@ class Engine(DisaggMixin, OutputMixin):
             outputs = self._pending_outputs
             self._pending_outputs = []
             outputs += self._emit_handoff_tokens()
-            chunks = self.scheduler.schedule()
-            if chunks:
+            chunks = self.scheduler.schedule() if self._inflight is None else None
+            if self._inflight is not None or (chunks and self._overlappable(chunks)):
+                outputs += self._overlapped_step(chunks)
+            elif chunks:
                 slots = self.spec.context_slots(chunks) if self.spec is not None else None
                 logits, hidden = self._forward(chunks)
                 outputs += self._after_forward(chunks, logits, hidden, slots)
@@ -226,11 +233,14 @@ class Engine(DisaggMixin, OutputMixin):
         if graphs is not None and decode_only and len(chunks) <= graphs.max_batch:
             self.stats["graph_steps"] += 1
             return graphs.run(chunks)
-        inputs = build_step(chunks, self.kv_plan.block_size, self.cfg.sliding_window, self.device,
-                            ring_len=self.kv.ring_len)
+        inputs = self._step_inputs(chunks)
         if not self.capture:
             return self.model.forward(inputs), None
         return self.model.forward(inputs, self.capture)
+
+    def _step_inputs(self, chunks):
+        return build_step(chunks, self.kv_plan.block_size, self.cfg.sliding_window, self.device,
+                          ring_len=self.kv.ring_len)
 
     def model_cost_probe(self, num_tokens: int) -> None:
         """One target forward over `num_tokens` tokens of a sequence that writes no cache (the

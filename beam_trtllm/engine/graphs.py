@@ -139,11 +139,14 @@ class DecodeGraphs:
     def size_for(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def run(self, chunks: list[Chunk]):
+    def run(self, chunks: list[Chunk], input_ids: torch.Tensor | None = None):
         """(logits of the sampling rows: one per decode chunk, 1 + len(drafts) per verify
-        chunk, in chunk order; the captured target states [sum of c.n, n * H] or None)."""
+        chunk, in chunk order; the captured target states [sum of c.n, n * H] or None).
+        `input_ids` [len(chunks)]: the decode chunks' tokens, on the device (pending chunks)."""
         b = self.size_for(len(chunks))
         self._fill(chunks, b)
+        if input_ids is not None:  # (after the fill's copy: stream order keeps these)
+            self.buf["input_ids"][:len(chunks)].copy_(input_ids)
         if self.capture:
             graph, out = self.graphs[b]
             graph.replay()

@@ -68,19 +68,24 @@ class Request:
 class Chunk:
     """Work for one request in one step: positions [start, start + n). With speculative
     decoding the last len(drafts) of them are draft tokens after the last known one (a verify
-    chunk: every row's logits are read)."""
+    chunk: every row's logits are read). `pending`: a decode chunk whose one token is the
+    previous step's sample, still on the device (an overlapped step, overlap.py)."""
 
     request: Request
     start: int
     n: int
     drafts: tuple[int, ...] = ()
+    pending: bool = False
 
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the last known token, so its logits give the next one."""
-        return self.start + self.n - len(self.drafts) == self.request.num_tokens
+        return self.pending or self.start + self.n - len(self.drafts) == self.request.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
+        """Its tokens (a pending chunk's: 0, overwritten on the device by the step)."""
+        if self.pending:
+            return [0]
         req, known = self.request, self.n - len(self.drafts)
         return req.ids_between(self.start, self.start + known) + list(self.drafts)

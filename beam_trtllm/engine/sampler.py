@@ -53,7 +53,10 @@ def exponential_noise(n: int, seed: int | None, index: int, device, generator) -
     if seed is None:
         return torch.empty(n, device=device).exponential_(generator=generator)
     g = torch.Generator().manual_seed((int(seed) * 1_000_003 + index) % (1 << 63))
-    return torch.empty(n).exponential_(generator=g).to(device)
+    noise = torch.empty(n).exponential_(generator=g)
+    if torch.device(device).type == "cuda":  # a pageable copy would wait for the GPU
+        return noise.pin_memory().to(device, non_blocking=True)
+    return noise.to(device)
 
 
 def shape_logits(logits: torch.Tensor, params: list[SamplingParams],
@@ -150,6 +153,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int
     any); `bitmask` rows `mask_rows`: the grammar's allowed tokens (xgrammar's packed bitmask,
     filled by the caller; `mask_index` the same rows on the logits' device).
     """
+    tokens, lp = sample_on_device(logits, params, indices, generator, histories, bitmask,
+                                  mask_rows, mask_index)
+    token_list = tokens.tolist()
+    return token_list, row_logprobs(lp, token_list, params)
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
+                     generator: torch.Generator | None = None,
+                     histories: list[tuple[list[int], list[int]]] | None = None,
+                     bitmask: torch.Tensor | None = None, mask_rows: list[int] = (),
+                     mask_index: torch.Tensor | None = None):
+    """`sample` up to the host: (tokens [B] int64 on the logits' device, the log-softmax of
+    the rows that want logprobs or None). Nothing in it waits for the GPU, so an overlapped
+    step (overlap.py) launches the next forward behind it."""
     want = [b for b, p in enumerate(params) if p.logprobs is not None]
     # the model's distribution: read before a grammar masks rows in place
     lp = logits[want].float().log_softmax(-1) if want else None
@@ -161,11 +178,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int
         probs = filtered_probs(logits[b], p.temperature, p.top_k, p.top_p, p.min_p)
         noise = exponential_noise(probs.numel(), p.seed, indices[b], logits.device, generator)
         tokens[b] = (probs / noise).argmax()
-    token_list = tokens.tolist()
+    return tokens, lp
+
+
+def row_logprobs(lp: torch.Tensor | None, tokens: list[int],
+                 params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    """Per row: its logprobs entry (`lp` from `sample_on_device`) or None."""
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
+    want = [b for b, p in enumerate(params) if p.logprobs is not None]
     for row, b in enumerate(want):
-        logprobs[b] = token_logprobs(lp[row], token_list[b], params[b].logprobs)
-    return token_list, logprobs
+        logprobs[b] = token_logprobs(lp[row], tokens[b], params[b].logprobs)
+    return logprobs
 
 
 def token_logprobs(lp: torch.Tensor, token: int, num_top: int) -> TokenLogprobs:

@@ -1,0 +1,139 @@
+"""Overlapped decode steps: the next step's forward is launched before this step's tokens
+reach the host.
+
+A plain decode step spends host time after the GPU finishes (tokens to the host, stop checks,
+outputs, scheduling, the next step's inputs) while the GPU waits; at batch 1 and 1M tokens of
+context that was a fifth of the step (docs/BENCHMARKS.md, long context). When every running
+request is a plain decode whose next token cannot end it by length, the engine samples on the
+device, copies the tokens to pinned host memory behind an event, and launches the next step
+with those device tokens as its input ids (`Chunk.pending`) before it waits for them; then it
+applies the stop conditions. A request that stops there has one more step in flight: its
+token is dropped when that step lands. The GPU runs steps back to back while the host works.
+
+What runs overlapped: greedy and sampled rows (seeded or not), stop tokens and strings,
+length limits. What runs as before, one step at a time: prefill chunks, waiting requests,
+speculative decoding, grammars, penalties and logit bias, logprobs, handoffs, parallel ranks.
+The tokens are those of the step-by-step engine (the same kernels, inputs and random draws,
+in the same order; tests/test_overlap.py). Blocks a finished request held may still be written
+by its last in-flight step: that write is ordered before any later step's on the stream, and
+`kv_reserve` (whose blocks a transport fills from outside the stream) waits for it first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Chunk, Request, State
+from .sampler import sample_on_device
+from .types import RequestOutput
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens have not reached the host."""
+
+    chunks: list[Chunk]
+    tokens: torch.Tensor                 # [B] int64 on the device (the next step's input ids)
+    host: torch.Tensor                   # [B] int64, pinned on CUDA: filled when `ready` fires
+    ready: torch.cuda.Event | None
+
+
+class OverlapMixin:
+    def _init_overlap(self, enabled: bool | None) -> None:
+        """enabled: None = on CUDA, off on the CPU (nothing to overlap there)."""
+        self.overlap = self.device.type == "cuda" if enabled is None else bool(enabled)
+        self._inflight: InFlight | None = None
+        self._token_bufs = [torch.zeros(self.options.max_batch, dtype=torch.int64,
+                                        pin_memory=self.device.type == "cuda") for _ in range(2)]
+        self._next_buf = 0
+        self.stats["overlapped_steps"] = 0
+
+    def _can_overlap(self, req: Request) -> bool:
+        """The request's next step can be launched before its current token is known."""
+        p = req.sampling
+        return (req.state == State.RUNNING and not req.prefill_only and req.pending_first is None
+                and not p.structural_tag and not p.penalized and not p.logit_bias
+                and p.logprobs is None and len(req.output_ids) + 1 < p.max_tokens
+                and req.num_tokens + 1 < req.max_total)
+
+    def _overlappable(self, chunks: list[Chunk]) -> bool:
+        """A scheduled step the overlapped path may run: plain decode, every request eligible."""
+        return (self.overlap and self.spec is None and self.parallel is None
+                and all(c.n == 1 and not c.drafts and c.samples and c.start >= c.request.full_cached
+                        and self._can_overlap(c.request) for c in chunks))
+
+    def _next_chunks(self, current: InFlight) -> list[Chunk] | None:
+        """The step after `current` for the same requests, or None where it must wait for the
+        host: new requests to admit, a request about to end by length, no block for it."""
+        sched = self.scheduler
+        reqs = [c.request for c in current.chunks]
+        if (sched.waiting or len(reqs) != len(sched.running)
+                or not all(self._can_overlap(r) for r in reqs)):
+            return None
+        # the current token lands at position num_tokens; the next step writes its KV there
+        if not all(sched.ensure_blocks(r, r.num_tokens + 1) for r in reqs):
+            return None
+        return [Chunk(r, r.num_tokens, 1, pending=True) for r in reqs]
+
+    def _launch(self, chunks: list[Chunk], input_ids: torch.Tensor | None = None) -> InFlight:
+        """Forward and device-side sampling of a step; its tokens start for the host."""
+        logits = self._decode_forward(chunks, input_ids)
+        reqs = [c.request for c in chunks]
+        ahead = 1 if input_ids is not None else 0  # the token before is not appended yet
+        tokens, _ = sample_on_device(logits, [r.sampling for r in reqs],
+                                     [len(r.output_ids) + ahead for r in reqs], self.generator)
+        host = self._token_bufs[self._next_buf][:len(chunks)]
+        self._next_buf ^= 1
+        ready = None
+        if self.device.type == "cuda":
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host.copy_(tokens)
+        return InFlight(chunks, tokens, host, ready)
+
+    def _decode_forward(self, chunks: list[Chunk], input_ids: torch.Tensor | None):
+        graphs = self.graphs
+        if graphs is not None and len(chunks) <= graphs.max_batch:
+            self.stats["graph_steps"] += 1
+            return graphs.run(chunks, input_ids)[0]
+        inputs = self._step_inputs(chunks)
+        if input_ids is not None:
+            inputs.input_ids[:len(chunks)].copy_(input_ids)
+        return self.model.forward(inputs)
+
+    def _overlapped_step(self, chunks: list[Chunk] | None) -> list[RequestOutput]:
+        """Launch `chunks` (None: a step is in flight already), launch the one after it where
+        it can be, then land the first: its tokens, stop conditions, outputs."""
+        current = self._inflight if chunks is None else self._launch(chunks)
+        after = self._next_chunks(current)
+        self._inflight = self._launch(after, current.tokens) if after else None
+        if after:
+            self.stats["overlapped_steps"] += 1
+        outputs = self._land(current)
+        if self._inflight is not None and not any(
+                c.request.state == State.RUNNING for c in self._inflight.chunks):
+            self._inflight = None  # every request it computes for has ended
+        return outputs
+
+    def _land(self, step: InFlight) -> list[RequestOutput]:
+        if step.ready is not None:
+            step.ready.synchronize()
+        outputs = []
+        for c, token in zip(step.chunks, step.host.tolist()):
+            req = c.request
+            if req.state != State.RUNNING:  # ended (a stop, an abort) while this step ran
+                continue
+            self.scheduler.commit(c)
+            req.output_ids.append(token)
+            self.stats["generated_tokens"] += 1
+            outputs.append(self._token_output(req, token, None))
+        return outputs
+
+    def _quiesce(self) -> None:
+        """Wait for an in-flight step's GPU work (before blocks are handed to a transport)."""
+        if self._inflight is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
