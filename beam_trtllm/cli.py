@@ -31,10 +31,14 @@ main.add_command(train_draft_cmd)
 @click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)), help="A shipped preset.")
 @click.option("--context", default=1 << 20, show_default=True, help="Context length for the KV estimate.")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default="fp8", show_default=True)
+@click.option("--max-num-tokens", type=int, default=None,
+              help="Prefill chunk for the activation estimate (default: an engine dir's "
+                   "--max-num-tokens, else 8192).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
-def info_cmd(ckpt_dir, preset_name, context, kv_dtype, as_json):
-    """Parameter counts, layer map, KV and weight memory of a preset or checkpoint."""
-    from .info import format_report, report
+def info_cmd(ckpt_dir, preset_name, context, kv_dtype, max_num_tokens, as_json):
+    """Parameter counts, layer map, KV, weight and activation memory of a preset, checkpoint
+    or engine dir (an engine dir also gets its plan: weights + KV + activations)."""
+    from .info import engine_plan_inputs, format_report, report
 
     if (ckpt_dir is None) == (preset_name is None):
         raise click.UsageError("give exactly one of CKPT_DIR or --preset")
@@ -44,8 +48,12 @@ def info_cmd(ckpt_dir, preset_name, context, kv_dtype, as_json):
         raise BeamCLIError(str(exc)) from exc
     if cfg.report_unknown():
         click.echo(f"warning: {cfg.report_unknown()}", err=True)
-    r = report(cfg, context, kv_dtype)
-    if ckpt_dir is not None and any(ckpt_dir.glob("*.safetensors")):
+    try:
+        precision, chunk = engine_plan_inputs(ckpt_dir) if ckpt_dir is not None else (None, None)
+    except ValueError as exc:
+        raise BeamCLIError(str(exc)) from exc
+    r = report(cfg, context, kv_dtype, max_num_tokens or chunk or 8192, precision)
+    if ckpt_dir is not None and precision is None and any(ckpt_dir.glob("*.safetensors")):
         from .engine.types import EngineError
         from .info import checkpoint_quantization, format_checkpoint
         from .quant_schemes import SchemeError

@@ -42,6 +42,37 @@ def weight_bytes(cfg: BeamConfig, precision: str) -> int:
     return int(total)
 
 
+# bytes per element of the MoE ops' intermediate h (FP8 codes, or BF16) by expert format
+_MOE_H_BYTES = {"fp8": 1, "fp8_block": 1, "fp8_channel": 1, "bf16": 2, "nvfp4": 2}
+MOE_BLOCK_M = 64  # the experts' token-sort padding per expert (plugins/_moe_common.py)
+
+
+def activation_bytes(cfg: BeamConfig, num_tokens: int, precision: str) -> dict:
+    """The live activation bytes of one forward over a `num_tokens` chunk (the engine's
+    --max-num-tokens), by sublayer, from what engine/model.py and the beam:: launchers
+    allocate: the residual stream, its norm and FP8 codes of the layer's input and of its
+    output (2 x), plus the largest sublayer's own tensors. `peak` is the largest."""
+    t, h, a = num_tokens, cfg.hidden_size, 2  # BF16 activations
+    q8 = 1 if precision in ("fp8", "nvfp4") else 0  # FP8 codes beside x (attention input)
+    stream = 2 * t * h * (2 * a + q8)
+    attn = 2 * t * cfg.qkv_gate_size * a + t * cfg.q_size * (1 if q8 else a) + t * h * a
+    out = {"stream": stream, "attention": attn}
+    if cfg.dense_layers:
+        from .engine.model import SWIGLU_ROWS
+
+        i = cfg.intermediate_size
+        gate_up, hidden = t * 2 * i * a, t * i * a
+        out["dense_mlp"] = gate_up + hidden + max(min(t, SWIGLU_ROWS) * i * 4,
+                                                  t * i * q8 + t * h * a)
+    if cfg.moe_layers:
+        k, i = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        rows = t * k + cfg.num_experts * (MOE_BLOCK_M - 1)
+        fmt = "bf16" if precision == "bf16" else ("fp8" if precision == "fp8" else "nvfp4")
+        out["moe"] = rows * i * _MOE_H_BYTES[fmt] + t * k * h * a + t * h * a + t * cfg.num_experts * 4
+    out["peak"] = stream + max(v for n, v in out.items() if n != "stream")
+    return out
+
+
 def layer_map(cfg: BeamConfig) -> list[dict]:
     return [
         {"layer": i, "attention": "full" if cfg.is_full(i) else "sliding",
@@ -50,7 +81,16 @@ def layer_map(cfg: BeamConfig) -> list[dict]:
     ]
 
 
-def report(cfg: BeamConfig, context: int, kv_dtype: str) -> dict:
+def report(cfg: BeamConfig, context: int, kv_dtype: str, num_tokens: int = 8192,
+           precision: str | None = None) -> dict:
+    """`precision` (the engine's or checkpoint's, when known) picks the plan's weights."""
+    weights = {p: weight_bytes(cfg, p) for p in _BYTES}
+    acts = {p: activation_bytes(cfg, num_tokens, p) for p in _BYTES}
+    plan = None
+    if precision is not None:
+        plan = {"precision": precision, "weights": weights[precision],
+                "kv": cfg.kv_bytes(context, kv_dtype), "activations": acts[precision]["peak"]}
+        plan["total"] = plan["weights"] + plan["kv"] + plan["activations"]
     return {
         "total_params": cfg.total_params,
         "active_params": cfg.active_params,
@@ -66,7 +106,11 @@ def report(cfg: BeamConfig, context: int, kv_dtype: str) -> dict:
         "kv_dtype": kv_dtype,
         "kv_bytes_full_layers": context * cfg.kv_bytes_per_token(kv_dtype),
         "kv_bytes_sequence": cfg.kv_bytes(context, kv_dtype),
-        "weight_bytes": {p: weight_bytes(cfg, p) for p in _BYTES},
+        "weight_bytes": weights,
+        "num_tokens": num_tokens,
+        "activation_bytes": {p: v["peak"] for p, v in acts.items()},
+        "activation_parts": acts,
+        "plan": plan,
     }
 
 
@@ -114,8 +158,32 @@ def format_report(r: dict) -> str:
         f" + {_size(r['kv_bytes_sequence'] - r['kv_bytes_full_layers'])} sliding windows"
         f" = {_size(r['kv_bytes_sequence'])} per sequence",
         "weights         " + ", ".join(f"{p.upper()} {_size(b)}" for p, b in r["weight_bytes"].items()),
+        f"activations     a {r['num_tokens']:,}-token chunk: " + ", ".join(
+            f"{p.upper()} {_size(b)}" for p, b in r["activation_bytes"].items()),
     ]
+    if r.get("plan"):
+        p = r["plan"]
+        lines.append(f"plan ({p['precision']})     weights {_size(p['weights'])} + KV "
+                     f"{_size(p['kv'])} + activations {_size(p['activations'])} = "
+                     f"{_size(p['total'])} per GPU")
     return "\n".join(line for line in lines if line)
+
+
+def engine_plan_inputs(path) -> tuple[str | None, int | None]:
+    """(weight precision, --max-num-tokens) of an engine dir; (None, None) for anything else."""
+    import json
+    from pathlib import Path
+
+    spec = Path(path) / "engine.json"
+    if not spec.is_file():
+        return None, None
+    try:
+        d = json.loads(spec.read_text())
+        scheme, chunk = d["quantization"]["scheme"].upper(), int(d["options"]["max_num_tokens"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{spec}: cannot read quantization.scheme / options.max_num_tokens "
+                         f"({exc})") from None
+    return ("nvfp4" if "NVFP4" in scheme else "fp8" if "FP8" in scheme else "bf16"), chunk
 
 
 # ---------------------------------------------------------------------------- a checkpoint
