@@ -177,3 +177,25 @@ def test_info_cli_refuses_bad_config(tmp_path):
     out = CliRunner().invoke(main, ["info", str(tmp_path)])
     assert out.exit_code == 1
     assert "topk_group" in out.output and "Traceback" not in out.output
+
+
+def test_info_activations_follow_the_chunk_and_the_dense_mlp():
+    """The activation term: linear in the chunk, the dense MLP's [T, 3I] BF16 tensors plus
+    the larger of one SWIGLU_ROWS FP32 temporary and down_proj's input codes, and an engine dir's plan adds it."""
+    from beam_trtllm.engine.model import SWIGLU_ROWS
+    from beam_trtllm.info import activation_bytes, report
+
+    a8, a16 = (activation_bytes(BEAM, t, "fp8") for t in (8192, 16384))
+    assert a16["stream"] == 2 * a8["stream"] and a16["moe"] < 2 * a8["moe"] + 1
+    t, i = 16384, BEAM.intermediate_size
+    # gate/up + h in BF16, then the larger of the FP32 temporary and down_proj's FP8 input
+    # with its output
+    assert a16["dense_mlp"] == t * 3 * i * 2 + max(SWIGLU_ROWS * i * 4,
+                                                   t * i + t * BEAM.hidden_size * 2)
+    assert a16["peak"] == a16["stream"] + max(a16["attention"], a16["dense_mlp"], a16["moe"])
+    r = report(BEAM, 1 << 20, "fp8", 16384, "fp8")
+    assert r["plan"]["total"] == (r["weight_bytes"]["fp8"] + r["kv_bytes_sequence"]
+                                  + a16["peak"])
+    text = CliRunner().invoke(main, ["info", "--preset", "beam-1.0-501b",
+                                     "--max-num-tokens", "16384"])
+    assert "a 16,384-token chunk: BF16" in text.output

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import (  # noqa: F401  (fixtures)
-    drive, greedy, one_thread, prompts, tiny_engine_dir, tiny_fp32_engine_dir,
+    TINY_OPTS, drive, greedy, one_thread, prompts, tiny_fp32_engine_dir,
 )
 from test_engine_generate import assert_all_free
 
+from beam_trtllm.engine.build import build_engine
 from beam_trtllm.engine.engine import Engine
+from beam_trtllm.engine.plan import BuildOptions
 from beam_trtllm.engine.types import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,15 +107,17 @@ def test_off_by_default_on_the_cpu(tiny_fp32_engine_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA graphs, streams)")
-def test_cuda_graph_steps_match_step_by_step(tiny_engine_dir):
+def test_cuda_graph_steps_match_step_by_step(tiny_dir, tmp_path):
     """On the GPU the next step really runs while the host lands this one."""
+    path = build_engine(tiny_dir, tmp_path / "e", BuildOptions(**TINY_OPTS, target="sm90",
+                                                               autotune="off"))
     ps = prompts(16, [6, 19, 11, 4])
     arrivals = {0: [("g0", ps[0], greedy(40)), ("g1", ps[1], greedy(33))],
                 5: [("s", ps[2], SamplingParams(max_tokens=25, temperature=0.8, seed=3,
                                                 ignore_eos=True)),
                     ("g2", ps[3], greedy(2))]}
-    plain = Engine.from_dir(tiny_engine_dir, device="cuda", overlap=False)
-    ahead = Engine.from_dir(tiny_engine_dir, device="cuda")
+    plain = Engine.from_dir(path, device="cuda", overlap=False)
+    ahead = Engine.from_dir(path, device="cuda")
     assert ahead.overlap and ahead.graphs is not None
     assert drive(ahead, arrivals) == drive(plain, arrivals)
     assert ahead.stats["overlapped_steps"] > 20 and ahead.stats["graph_steps"] > 20
