@@ -263,8 +263,7 @@ def decode(engine, req, steps: int, ceilings: dict, device) -> dict:
     for _ in range(WARM_DECODE):
         engine.step()
     replay = graph_replay(engine, req, device)
-    # timed as a run, not step by step: a sync after each step would wait for the step the
-    # engine launched ahead (engine/overlap.py) and time it with no host work to hide
+    # timed as a run: a sync per step would wait for the step launched ahead (overlap.py)
     graph_steps, overlapped = engine.stats["graph_steps"], engine.stats.get("overlapped_steps", 0)
     sync(device)
     t = time.perf_counter()
