@@ -42,8 +42,8 @@ def weight_bytes(cfg: BeamConfig, precision: str) -> int:
     return int(total)
 
 
-# bytes per element of the MoE ops' intermediate h (FP8 codes, or BF16) by expert format
-_MOE_H_BYTES = {"fp8": 1, "fp8_block": 1, "fp8_channel": 1, "bf16": 2, "nvfp4": 2}
+# bytes per element of the MoE ops' intermediate h (FP8 codes, or BF16) by weight precision
+_MOE_H_BYTES = {"bf16": 2, "fp8": 1, "nvfp4": 2}
 MOE_BLOCK_M = 64  # the experts' token-sort padding per expert (plugins/_moe_common.py)
 
 
@@ -67,8 +67,8 @@ def activation_bytes(cfg: BeamConfig, num_tokens: int, precision: str) -> dict:
     if cfg.moe_layers:
         k, i = cfg.num_experts_per_tok, cfg.moe_intermediate_size
         rows = t * k + cfg.num_experts * (MOE_BLOCK_M - 1)
-        fmt = "bf16" if precision == "bf16" else ("fp8" if precision == "fp8" else "nvfp4")
-        out["moe"] = rows * i * _MOE_H_BYTES[fmt] + t * k * h * a + t * h * a + t * cfg.num_experts * 4
+        out["moe"] = (rows * i * _MOE_H_BYTES[precision] + t * k * h * a + t * h * a
+                      + t * cfg.num_experts * 4)
     out["peak"] = stream + max(v for n, v in out.items() if n != "stream")
     return out
 
@@ -179,11 +179,17 @@ def engine_plan_inputs(path) -> tuple[str | None, int | None]:
         return None, None
     try:
         d = json.loads(spec.read_text())
-        scheme, chunk = d["quantization"]["scheme"].upper(), int(d["options"]["max_num_tokens"])
+        scheme, chunk = d["quantization"]["scheme"], int(d["options"]["max_num_tokens"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{spec}: cannot read quantization.scheme / options.max_num_tokens "
                          f"({exc})") from None
-    return ("nvfp4" if "NVFP4" in scheme else "fp8" if "FP8" in scheme else "bf16"), chunk
+    return scheme_precision(scheme), chunk
+
+
+def scheme_precision(scheme: str) -> str:
+    """The weight precision (a key of weight_bytes) of an engine's quantization scheme."""
+    scheme = scheme.upper()
+    return "nvfp4" if "NVFP4" in scheme else "fp8" if "FP8" in scheme else "bf16"
 
 
 # ---------------------------------------------------------------------------- a checkpoint

@@ -20,22 +20,17 @@ def token_label(n: int) -> str:
     return f"{n >> 10}K" if n % 1024 == 0 else str(n)
 
 
-def _precision(scheme: str) -> str:
-    """The `beam-trt info` weight precision of an engine's quantization scheme."""
-    return "nvfp4" if "NVFP4" in scheme.upper() else "fp8" if "FP8" in scheme.upper() else "bf16"
-
-
 def memory_result(engine, path: Path, device, base: int) -> dict:
     """The plan `beam-trt info ENGINE_DIR --context MAX_SEQ_LEN` gives (beam_trtllm.info.report:
     weight bytes of the engine's precision + KV bytes of one sequence of that length) and what
     the loaded engine holds: weight files, KV cache tensors, and torch's allocated bytes (the
     CPU has no allocator statistics: there, the weights' and KV cache's tensor bytes)."""
     from beam_trtllm.config import BeamConfig
-    from beam_trtllm.info import report
+    from beam_trtllm.info import report, scheme_precision
 
     spec = json.loads((path / "engine.json").read_text())
     context, kv_dtype = engine.options.max_seq_len, engine.kv_plan.kv_dtype
-    precision = _precision(spec["quantization"]["scheme"])
+    precision = scheme_precision(spec["quantization"]["scheme"])
     info = report(BeamConfig.from_hf(path), context, kv_dtype, engine.options.max_num_tokens,
                   precision)
     plan = {"context": context, "precision": precision, "kv_dtype": kv_dtype,

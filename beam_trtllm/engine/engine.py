@@ -221,8 +221,9 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
             self.stats["preemptions"] = self.scheduler.num_preemptions
             return outputs
 
-    def _forward(self, chunks):
-        """-> (logits of the sampling rows, the captured target states [T, n*H] or None)."""
+    def _forward(self, chunks, input_ids: torch.Tensor | None = None):
+        """-> (logits of the sampling rows, the captured target states [T, n*H] or None).
+        `input_ids`: a decode step's tokens on the device (pending chunks, overlap.py)."""
         # Graphs cover plain decode: one token per sequence, nothing to restore from the cache.
         decode_only = all(c.n == 1 + len(c.drafts) and c.start >= c.request.full_cached
                           for c in chunks)
@@ -232,15 +233,14 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
             graphs = self.verify_graphs[min(n for n in self.verify_graphs if n >= drafts)]
         if graphs is not None and decode_only and len(chunks) <= graphs.max_batch:
             self.stats["graph_steps"] += 1
-            return graphs.run(chunks)
-        inputs = self._step_inputs(chunks)
+            return graphs.run(chunks, input_ids)
+        inputs = build_step(chunks, self.kv_plan.block_size, self.cfg.sliding_window, self.device,
+                            ring_len=self.kv.ring_len)
+        if input_ids is not None:
+            inputs.input_ids[:len(chunks)].copy_(input_ids)
         if not self.capture:
             return self.model.forward(inputs), None
         return self.model.forward(inputs, self.capture)
-
-    def _step_inputs(self, chunks):
-        return build_step(chunks, self.kv_plan.block_size, self.cfg.sliding_window, self.device,
-                          ring_len=self.kv.ring_len)
 
     def model_cost_probe(self, num_tokens: int) -> None:
         """One target forward over `num_tokens` tokens of a sequence that writes no cache (the

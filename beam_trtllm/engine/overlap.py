@@ -79,7 +79,7 @@ class OverlapMixin:
 
     def _launch(self, chunks: list[Chunk], input_ids: torch.Tensor | None = None) -> InFlight:
         """Forward and device-side sampling of a step; its tokens start for the host."""
-        logits = self._decode_forward(chunks, input_ids)
+        logits = self._forward(chunks, input_ids)[0]
         reqs = [c.request for c in chunks]
         ahead = 1 if input_ids is not None else 0  # the token before is not appended yet
         tokens, _ = sample_on_device(logits, [r.sampling for r in reqs],
@@ -94,16 +94,6 @@ class OverlapMixin:
         else:
             host.copy_(tokens)
         return InFlight(chunks, tokens, host, ready)
-
-    def _decode_forward(self, chunks: list[Chunk], input_ids: torch.Tensor | None):
-        graphs = self.graphs
-        if graphs is not None and len(chunks) <= graphs.max_batch:
-            self.stats["graph_steps"] += 1
-            return graphs.run(chunks, input_ids)[0]
-        inputs = self._step_inputs(chunks)
-        if input_ids is not None:
-            inputs.input_ids[:len(chunks)].copy_(input_ids)
-        return self.model.forward(inputs)
 
     def _overlapped_step(self, chunks: list[Chunk] | None) -> list[RequestOutput]:
         """Launch `chunks` (None: a step is in flight already), launch the one after it where
