@@ -3,8 +3,9 @@
 - per tensor (static scale s): q = fp8_e4m3(clamp(x / s, +-448))     (W8A8, ModelOpt input_scale;
   `fp8_codes` is the Triton rule, shared with the norms and attention that emit FP8 directly)
 - per token per 128 channels (dynamic): s = max(amax, 1e-10) / 448, q = fp8_e4m3(x / s)
-- per tensor into an MoE's sorted rows: token t's codes go to the k rows the token sort gave
-  its slots, so the prefill GEMMs read whole row blocks (by the TMA)
+- per tensor, or per token per 128 channels, into an MoE's sorted rows: token t's codes go to
+  the k rows the token sort gave its slots, so the prefill GEMMs read whole row blocks (by the
+  TMA)
 All divide with IEEE rounding (plugins._common.div_rn_by) and round with
 plugins._common.to_e4m3, so the codes equal those of beam_trtllm.quant_formats on the GPU and
 in Triton's interpreter.
@@ -131,4 +132,42 @@ def quant_fp8_per_token_block(x: torch.Tensor):
         grid = (triton.cdiv(t, block_t), kb)
         _quant_per_token_block_kernel[grid](x, q, s, t, k, kb, x.stride(0), q.stride(0), ACT_EPS,
                                             BLOCK_T=block_t, GROUP=FP8_BLOCK, num_warps=4)
+    return q, s
+
+
+@triton.jit
+def _quant_block_sorted_rows_kernel(x_ptr, slot_rows_ptr, q_ptr, s_ptr, T, K, rows, stride_x,
+                                    eps, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                                    GROUP: tl.constexpr):
+    # One token tile and 128-channel group: quantized once, stored into the tokens' TOP_K rows.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    ok = tokens < T
+    mask = ok[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask,
+                other=0.0)
+    q, scale = quant_block_tile(x.to(tl.float32), eps)
+    for j in tl.static_range(TOP_K):
+        r = tl.load(slot_rows_ptr + tokens * TOP_K + j, mask=ok, other=0).to(tl.int64)
+        tl.store(q_ptr + r[:, None] * K + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + group * rows + r, scale, mask=ok)
+
+
+def quant_fp8_block_sorted_rows(x: torch.Tensor, slot_rows: torch.Tensor, rows: int):
+    """`quant_fp8_per_token_block` into an MoE's sorted rows (as `quant_fp8_sorted_rows`):
+    x [T, K], slot_rows [T * k] -> (codes fp8 [rows, K], scales fp32 [ceil(K/128), rows]; the
+    scales group-major, so a GEMM step reads its rows' scales of one group contiguously).
+    Padding rows are left unwritten (their outputs are never stored)."""
+    x = x.contiguous()
+    t, k = x.shape
+    top_k = slot_rows.shape[0] // max(t, 1)
+    kb = triton.cdiv(k, FP8_BLOCK)
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    s = torch.empty((kb, rows), dtype=torch.float32, device=x.device)
+    if t and k:
+        block_t = 4
+        _quant_block_sorted_rows_kernel[(triton.cdiv(t, block_t), kb)](
+            x, slot_rows, q, s, t, k, rows, x.stride(0), ACT_EPS, TOP_K=top_k, BLOCK_T=block_t,
+            GROUP=FP8_BLOCK, num_warps=4)
     return q, s

@@ -186,6 +186,50 @@ def fp8_block_gemm_loop(a_ptrs, as_ptrs, a_rows_ok, w_ptrs, ws_ptrs, n_mask, K, 
 
 
 @triton.jit
+def tma_block_gemm_loop(a_desc, a_row0, as_ptrs, as_step, a_rows_ok, w_desc, w_row0, ws_ptr,
+                        up_rows, up_s_offset, K, GATED: tl.constexpr, SWAP: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`fp8_block_gemm_loop` with both operands loaded by the TMA (as `tma_gemm_loop`) and one
+    weight scale per step: the tile's BLOCK_N <= 128 weight rows lie in one 128x128 scale
+    block (ws_ptr: that block's scale of group 0, the next group's 1 further; the up rows'
+    `up_s_offset` further). as_ptrs: the tile rows' activation scales of group 0, contiguous
+    (scales stored [groups, rows]), the next group's `as_step` further."""
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    a_s = tl.load(as_ptrs, mask=a_rows_ok, other=0.0)
+    w_s = tl.load(ws_ptr)
+    w_su = tl.load(ws_ptr + up_s_offset) if GATED else 0.0
+    for k0 in range(0, K, BLOCK_K):
+        more = k0 + BLOCK_K < K
+        as_ptrs += as_step
+        ws_ptr += 1
+        a_s_next = tl.load(as_ptrs, mask=a_rows_ok & more, other=0.0)
+        w_s_next = tl.load(ws_ptr, mask=more, other=0.0)
+        a = a_desc.load([a_row0, k0])
+        part = mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a, w_desc.load([w_row0, k0]), SWAP,
+                       BLOCK_K)
+        acc += part * row_scales(a_s * w_s, SWAP)
+        if GATED:
+            w_su_next = tl.load(ws_ptr + up_s_offset, mask=more, other=0.0)
+            part_up = mma_fp8(acc_zeros(BLOCK_M, BLOCK_N, SWAP), a,
+                              w_desc.load([w_row0 + up_rows, k0]), SWAP, BLOCK_K)
+            acc_up += part_up * row_scales(a_s * w_su, SWAP)
+            w_su = w_su_next
+        a_s, w_s = a_s_next, w_s_next
+    return acc, acc_up
+
+
+@triton.jit
+def row_scales(scale, SWAP: tl.constexpr):
+    """A per-row scale [BM] broadcast over the accumulator's channels."""
+    if SWAP:
+        out = scale[None, :]
+    else:
+        out = scale[:, None]
+    return out
+
+
+@triton.jit
 def outer(row_scale, col_scale, SWAP: tl.constexpr):
     """row_scale [BM] x col_scale [BN] in the accumulator's orientation."""
     if SWAP:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import ACT_DTYPES, _expect, check_tensor
 from ._common import TL_DTYPES  # noqa: F401  (re-exported)
@@ -142,6 +143,31 @@ def tma_addressable(m: torch.Tensor) -> bool:
     """Whether the TMA can address m: contiguous, 16-byte aligned, rows a multiple of 16
     bytes."""
     return m.is_contiguous() and m.data_ptr() % 16 == 0 and m.shape[-1] % 16 == 0
+
+
+def takes_tma(x: torch.Tensor, routing: Routing, configs, *mats: torch.Tensor) -> bool:
+    """Whether the GEMMs load by the TMA: tail-block layouts (prefill), a device with a TMA
+    (sm_90+; the interpreter emulates it), tiles one TMA copy can fill (at most 256 rows and
+    columns, rows of at least 16 bytes) and operands the TMA can address (contiguous, 16-byte
+    aligned, rows a multiple of 16 bytes)."""
+    if not routing.tail_m or routing.direct:
+        return False
+    if any(max(c.block_m, c.block_n, c.block_k) > TMA_MAX_BOX or c.block_k < 16 for c in configs):
+        return False
+    return has_tma(x.device) and all(tma_addressable(m) for m in mats)
+
+
+def tma_descriptors(a, w, routing: Routing, cfg: GemmConfig, tma: bool):
+    """(a_desc, a_tail_desc, w_desc) of a TMA launch: activation row blocks of block_m and
+    tail_m rows, weights as the 2-D [E * rows, K] they are; Nones otherwise."""
+    if not tma:
+        return None, None, None
+    k = a.shape[1]
+    w2d = w.view(-1, k)
+
+    def rows_of(t, rows):
+        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, cfg.block_k])
+    return rows_of(a, cfg.block_m), rows_of(a, routing.tail_m), rows_of(w2d, cfg.block_n)
 
 
 # ---------------------------------------------------------------------------- row blocks

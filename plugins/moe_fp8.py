@@ -29,7 +29,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from beam_trtllm.quant_formats import dequantize_fp8, fake_quant_fp8_activation
 
@@ -38,10 +37,10 @@ from ._fp8_act import quant_fp8_per_tensor, quant_fp8_sorted_rows
 from ._checks import ACT_DTYPES, check_device, check_out_dtype
 from ._gemm import gemm_loop, round_to, silu_mul, tile_of, tma_gemm_loop, unswap
 from ._moe_common import (
-    DIRECT_MAX_PAIRS, TL_DTYPES, TMA_MAX_BOX, GemmConfig, Routing, block_tile,
-    check_expert_weights, check_ids_in_range, check_routing, check_tensor, configs_for,
-    empty_output, finish, has_tma, overlap_launch, pair_overlap, past_last_row, plan_routing,
-    ref_moe, routing_ptrs, signal_ready, tail_ptrs, tma_addressable, wait_for_pair,
+    DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
+    check_ids_in_range, check_routing, check_tensor, configs_for, empty_output, finish,
+    overlap_launch, pair_overlap, past_last_row, plan_routing, ref_moe, routing_ptrs,
+    signal_ready, tail_ptrs, takes_tma, tma_descriptors, wait_for_pair,
 )
 from ._pdl import let_next_launch
 from .registry import beam_op, dispatch, register
@@ -201,36 +200,11 @@ def _fp8_tile(tile, a_ptr, a_desc, a_row0, a_scale_ptr, w_ptr, w_desc, ws_ptr, o
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-def takes_tma(x: torch.Tensor, routing: Routing, configs, *mats: torch.Tensor) -> bool:
-    """Whether the GEMMs load by the TMA: tail-block layouts (prefill), a device with a TMA
-    (sm_90+; the interpreter emulates it), tiles one TMA copy can fill (at most 256 rows and
-    columns, rows of at least 16 bytes) and operands the TMA can address (contiguous, 16-byte
-    aligned, rows a multiple of 16 bytes)."""
-    if not routing.tail_m or routing.direct:
-        return False
-    if any(max(c.block_m, c.block_n, c.block_k) > TMA_MAX_BOX or c.block_k < 16 for c in configs):
-        return False
-    return has_tma(x.device) and all(tma_addressable(m) for m in mats)
-
-
-def _descriptors(a, w, routing: Routing, cfg: GemmConfig, tma: bool):
-    """(a_desc, a_tail_desc, w_desc) of a TMA launch: activation row blocks of block_m and
-    tail_m rows, weights as the 2-D [E * rows, K] they are; Nones otherwise."""
-    if not tma:
-        return None, None, None
-    k = a.shape[1]
-    w2d = w.view(-1, k)
-
-    def rows_of(t, rows):
-        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, cfg.block_k])
-    return rows_of(a, cfg.block_m), rows_of(a, routing.tail_m), rows_of(w2d, cfg.block_n)
-
-
 def _gemm(a, a_scale, w, ws, out, out_scale, routing: Routing, numel, top_k, n, k, gated,
           act, cfg: GemmConfig, tma: bool = False, overlap=None):
     """One grouped GEMM launch. overlap: `_moe_common.pair_overlap`'s (direct pairs), or None."""
     grid = (routing.m_blocks * triton.cdiv(n, cfg.block_n),)
-    a_desc, a_tail_desc, w_desc = _descriptors(a, w, routing, cfg, tma)
+    a_desc, a_tail_desc, w_desc = tma_descriptors(a, w, routing, cfg, tma)
     flags, ready_count, overlap_kw = overlap_launch(overlap, a.device, cfg.group_m, gated)
     _moe_fp8_kernel[grid](
         a, a_desc, a_tail_desc, a_scale, w, w_desc, ws, out, out_scale, flags, ready_count,

@@ -311,6 +311,42 @@ def test_fp8_sorted_row_quantizer_writes_each_token_to_its_rows():
         assert torch.equal(got[slot_rows], codes.repeat_interleave(k, 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_block_tma_prefill(dtype):
+    """moe_fp8_block's TMA prefill (sorted-row activations, tail blocks, one weight scale per
+    128x128 block a step) gives the per-thread kernel's bits and the reference's values.
+    H = 144: gate/up's K ends in a 16-deep partial scale group and down's second 128-row tile
+    is partial; I = 128. Counts as test_fp8_tail_blocks (16-row tails, 32-row blocks)."""
+    ids = ids_with_counts([40, 22, 12, 16, 0, 38, 5, 27], K)
+    args = _case("fp8_block", dtype, ids.shape[0], seed=12, ids=ids, shape=(144, 128))
+    gemm = _moe_common.GemmConfig
+    c13, c2 = gemm(32, 128, 128, 4, 2, swap=True, tail_m=16), gemm(32, 128, 128, 4, 2, tail_m=16)
+    out = moe_fp8_block.moe_fp8_block_triton(*args, tma=True, config13=c13, config2=c2)
+    torch.testing.assert_close(out.cpu(), moe_fp8_block.ref_moe_fp8_block(*on_cpu(args)),
+                               **_tolerance("fp8_block", dtype))
+    per_thread = moe_fp8_block.moe_fp8_block_triton(*args, direct=False, tma=False)
+    assert torch.equal(out, per_thread)
+    uneven = _case("fp8_block", dtype, 17, seed=4)  # I = 144: scale blocks cross the tiles
+    with pytest.raises(Exception, match="I % 128 == 0"):
+        moe_fp8_block.moe_fp8_block_triton(*uneven, tma=True)
+
+
+def test_fp8_block_sorted_row_quantizer():
+    """Token t's per-128-channel codes land in rows slot_rows[t*k + j] and its scales in
+    column slot_rows[t*k + j] of the group-major scales, the bits of
+    quant_fp8_per_token_block; 333 channels: a partial last group."""
+    t, h, k, rows = 29, 333, 3, 100
+    x = (torch.randn(t, h, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    slot_rows = torch.randperm(rows, generator=torch.Generator().manual_seed(3))[:t * k]
+    dev_x, dev_rows = x.to(KERNEL_DEVICE), slot_rows.int().to(KERNEL_DEVICE)
+    codes, scales = (v.cpu() for v in _fp8_act.quant_fp8_per_token_block(dev_x))
+    got, got_s = (v.cpu() for v in _fp8_act.quant_fp8_block_sorted_rows(dev_x, dev_rows, rows))
+    assert got.shape == (rows, h) and got_s.shape == (3, rows)
+    assert torch.equal(got.view(torch.uint8)[slot_rows],
+                       codes.view(torch.uint8).repeat_interleave(k, 0))
+    assert torch.equal(got_s[:, slot_rows], scales.repeat_interleave(k, 0).T)
+
+
 @pytest.mark.parametrize("fmt,c13,c2,reason", [
     ("nvfp4", (64, 32, 64, 4, 2, 16), (64, 32, 64, 4, 2, 16), "no tail blocks"),
     ("fp8", (64, 32, 64, 4, 2, 16), (64, 32, 64, 4, 2, 0), "tail_m 16 != 0"),
