@@ -181,7 +181,7 @@ def bench_linear(ctx, tokens=(1, 16384)) -> None:
     n = cfg.qkv_gate_size  # packed q, k, v and the output gate
     # linear_fp8 picks the Triton GEMM up to SMALL_M tokens and _scaled_mm above: both forced
     variants = [("fp8", {"use_scaled_mm": True}), ("fp8", {"use_scaled_mm": False}),
-                ("fp8_block", {}), ("nvfp4", {})]
+                ("fp8_block", {}), ("fp8_block", {"tma": False}), ("nvfp4", {})]
     for t in tokens:
         x = torch.randn(t, cfg.hidden_size, device=_common.dev()).to(BF16)
         for fmt, extra in variants:
@@ -196,7 +196,7 @@ def bench_linear(ctx, tokens=(1, 16384)) -> None:
             want = ref(*(a.cpu() for a in args))
             status = check(ctx, fmt, fast(*args, **extra).cpu(), want, what=what)
             name = f"linear_{fmt}" + {True: " (_scaled_mm)", False: " (triton)", None: ""}[
-                extra.get("use_scaled_mm")]
+                extra.get("use_scaled_mm")] + (" (per-thread loads)" if "tma" in extra else "")
             ours = (ctx.time_graph_us if t == 1 else ctx.time_us)(lambda: fast(*args, **extra))
             eager = ctx.time_us(lambda: ref(*args)) if ctx.eager else 0.0  # not capturable
             if t == 1:

@@ -96,8 +96,8 @@ def quant_block_tile(x, eps):
 
 
 @triton.jit
-def _quant_per_token_block_kernel(x_ptr, q_ptr, s_ptr, T, K, KB, stride_x, stride_q, eps,
-                                  BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+def _quant_per_token_block_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_x, stride_q, stride_st,
+                                  stride_sg, eps, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
@@ -106,7 +106,7 @@ def _quant_per_token_block_kernel(x_ptr, q_ptr, s_ptr, T, K, KB, stride_x, strid
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     q, scale = quant_block_tile(x.to(tl.float32), eps)
     tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
-    tl.store(s_ptr + rows64 * KB + group, scale, mask=rows < T)
+    tl.store(s_ptr + rows64 * stride_st + group * stride_sg, scale, mask=rows < T)
 
 
 def quant_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -120,18 +120,21 @@ def quant_fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def quant_fp8_per_token_block(x: torch.Tensor):
-    """x [T, K] -> (codes fp8 [T, K], scales fp32 [T, ceil(K/128)])."""
+def quant_fp8_per_token_block(x: torch.Tensor, group_major: bool = False):
+    """x [T, K] -> (codes fp8 [T, K], scales fp32 [T, ceil(K/128)], or with `group_major`
+    [ceil(K/128), T]: a GEMM step then reads its rows' scales of one group contiguously)."""
     x = x.contiguous()
     t, k = x.shape
     kb = triton.cdiv(k, FP8_BLOCK)
     q = torch.empty((t, k), dtype=FP8, device=x.device)
-    s = torch.empty((t, kb), dtype=torch.float32, device=x.device)
+    s = torch.empty((kb, t) if group_major else (t, kb), dtype=torch.float32, device=x.device)
     if t:
         block_t = 4
         grid = (triton.cdiv(t, block_t), kb)
-        _quant_per_token_block_kernel[grid](x, q, s, t, k, kb, x.stride(0), q.stride(0), ACT_EPS,
-                                            BLOCK_T=block_t, GROUP=FP8_BLOCK, num_warps=4)
+        stride_st, stride_sg = (1, t) if group_major else (kb, 1)
+        _quant_per_token_block_kernel[grid](x, q, s, t, k, x.stride(0), q.stride(0), stride_st,
+                                            stride_sg, ACT_EPS, BLOCK_T=block_t, GROUP=FP8_BLOCK,
+                                            num_warps=4)
     return q, s
 
 

@@ -52,6 +52,24 @@ def test_nvfp4_whole_k_tiles(dtype, t):
                                **_tol("nvfp4", dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_fp8_block_tma_prefill_bits(dtype, block_n):
+    """linear_fp8_block's TMA prefill gives the per-thread kernel's bits: 131 tokens (a
+    partial second tile row), K = 336 (a partial 128-deep group), N = 200 (a partial second
+    scale block; with 64-row tiles two tiles a block). Few tokens cannot take it."""
+    from plugins._moe_common import GemmConfig
+    x = torch.randn(131, 336, generator=torch.Generator().manual_seed(5)).to(dtype)
+    args = tuple(a.to(KERNEL_DEVICE) for a in linear_args("fp8_block", x, n=200, seed=5))
+    cfg = GemmConfig(64, block_n, 128, 4, 2)
+    out = linear_fp8_block.linear_fp8_block_triton(*args, config=cfg, tma=True)
+    torch.testing.assert_close(out.cpu(), linear_fp8_block.ref_linear_fp8_block(*on_cpu(args)),
+                               **_tol("fp8_block", dtype))
+    assert torch.equal(out, linear_fp8_block.linear_fp8_block_triton(*args, config=cfg, tma=False))
+    with pytest.raises(Exception, match="more than 64 tokens"):
+        linear_fp8_block.linear_fp8_block_triton(args[0][:3], *args[1:], tma=True)
+
+
 @pytest.mark.parametrize("k,split", [(400, 2), (208, 3), (1024, 4)])
 @pytest.mark.parametrize("t", [1, 5])
 def test_fp8_split_k_partials(k, split, t):
