@@ -18,7 +18,8 @@ Output: a new [T, H] tensor in x.dtype (no `out=`; inputs are never written).
 Prefill on sm_90+ (H and I multiples of 16, I of 128): the activations are quantized into the
 token sort's rows, both GEMMs load them and the weights by the TMA, run tail blocks (as
 moe_fp8) and read one weight scale per 128x128 block a step; the same products in the same
-order as the per-thread kernel, so the same bits.
+order as the per-thread kernel (the same bits in the interpreter; on a GPU the tile shape can
+change the FP8 MMA's own partial sums, within the kernel tests' tolerance).
 
 Numerics: each 128-deep slice of a dot accumulates in FP32 and is scaled by
 x_scale[row, group] * w_scale[n, group]; gate, up, silu and h round to x.dtype before h is
@@ -50,8 +51,10 @@ from .registry import beam_op, dispatch, PluginError, register
 
 OP = "moe_fp8_block"
 FP8 = (torch.float8_e4m3fn,)
-# TMA prefill launch shapes (gate/up, down): moe_fp8's prefill shapes
-PREFILL_TMA = (GemmConfig(128, 128, 128, 8, 3, swap=True, tail_m=64),
+# TMA prefill launch shapes (gate/up, down). H200, 16K tokens, 2026-12-03 (bench/kernels_moe.py
+# --sweep fp8_block:16384): gate/up with the weights on the MMA's M side (moe_fp8's shape)
+# 33.0 ms, tokens there 16.2 ms; 64-row blocks 17.9-18.1; down at 4 warps 16.1, 8 warps 16.6.
+PREFILL_TMA = (GemmConfig(128, 128, 128, 8, 3, tail_m=64),
                GemmConfig(128, 128, 128, 4, 3, tail_m=64))
 
 
@@ -169,7 +172,8 @@ def _moe_fp8_block_tma_kernel(a_desc, a_tail_desc, as_ptr, w_desc, ws_ptr, out_p
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               GROUP_M: tl.constexpr, TAIL_M: tl.constexpr):
     # Activation rows in sorted order (codes [rows, K], scales [groups, rows]); weights as
-    # [E * w_rows, K]. A tail block runs on a TAIL_M-row tile with the weights on the M side.
+    # [E * w_rows, K]. A tail block runs on a TAIL_M-row tile (weights on the M side as the
+    # full blocks': with SWAP the prefill took twice as long, H200 2026-12-03).
     pid_m, pid_n = tile_of(tl.program_id(0), num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if tl.load(block_expert_ptr + pid_m) < 0:  # idle block
         return
@@ -178,7 +182,7 @@ def _moe_fp8_block_tma_kernel(a_desc, a_tail_desc, as_ptr, w_desc, ws_ptr, out_p
         tail = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N,
                           GATED, False, TAIL_M, BLOCK_N, block_start_ptr, True)
         _tma_tile(tail, a_tail_desc, row0, as_ptr, w_desc, ws_ptr, out_ptr, out_s_ptr, N, K,
-                  rows_total, w_rows, stride_se, stride_sn, stride_om, eps, ACT, GATED, True,
+                  rows_total, w_rows, stride_se, stride_sn, stride_om, eps, ACT, GATED, SWAP,
                   TAIL_M, BLOCK_N, BLOCK_K)
     else:
         full = block_tile(pid_m, pid_n, ids_ptr, sorted_ptr, block_expert_ptr, numel, top_k, N,

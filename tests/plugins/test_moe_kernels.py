@@ -312,20 +312,23 @@ def test_fp8_sorted_row_quantizer_writes_each_token_to_its_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_block_tma_prefill(dtype):
+@pytest.mark.parametrize("swap", [False, True])
+def test_fp8_block_tma_prefill(dtype, swap):
     """moe_fp8_block's TMA prefill (sorted-row activations, tail blocks, one weight scale per
-    128x128 block a step) gives the per-thread kernel's bits and the reference's values.
+    128x128 block a step) gives the reference's values, and in the interpreter the per-thread
+    kernel's bits; gate/up with the tokens or the weights on the MMA's M side.
     H = 144: gate/up's K ends in a 16-deep partial scale group and down's second 128-row tile
     is partial; I = 128. Counts as test_fp8_tail_blocks (16-row tails, 32-row blocks)."""
     ids = ids_with_counts([40, 22, 12, 16, 0, 38, 5, 27], K)
     args = _case("fp8_block", dtype, ids.shape[0], seed=12, ids=ids, shape=(144, 128))
     gemm = _moe_common.GemmConfig
-    c13, c2 = gemm(32, 128, 128, 4, 2, swap=True, tail_m=16), gemm(32, 128, 128, 4, 2, tail_m=16)
+    c13, c2 = gemm(32, 128, 128, 4, 2, swap=swap, tail_m=16), gemm(32, 128, 128, 4, 2, tail_m=16)
     out = moe_fp8_block.moe_fp8_block_triton(*args, tma=True, config13=c13, config2=c2)
     torch.testing.assert_close(out.cpu(), moe_fp8_block.ref_moe_fp8_block(*on_cpu(args)),
                                **_tolerance("fp8_block", dtype))
     per_thread = moe_fp8_block.moe_fp8_block_triton(*args, direct=False, tma=False)
-    assert torch.equal(out, per_thread)
+    if KERNEL_DEVICE == "cpu":  # on a GPU the tile shapes change the FP8 MMA's partial sums
+        assert torch.equal(out, per_thread)
     uneven = _case("fp8_block", dtype, 17, seed=4)  # I = 144: scale blocks cross the tiles
     with pytest.raises(Exception, match="I % 128 == 0"):
         moe_fp8_block.moe_fp8_block_triton(*uneven, tma=True)
