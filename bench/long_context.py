@@ -95,10 +95,10 @@ def parse_args(argv=None):
     args.contexts = args.contexts or list(SMOKE_CONTEXTS if args.smoke else CONTEXTS)
     args.max_num_tokens = args.max_num_tokens or (256 if args.smoke else 16384)
     args.decode_steps = args.decode_steps or (4 if args.smoke else 32)
-    shortest = 1 + WARM_DECODE + args.decode_steps + 1
+    shortest = 1 + WARM_DECODE + args.decode_steps + 2
     if min(args.contexts) < shortest:
         ap.error(f"--contexts: each must be >= {shortest} tokens (1 prompt token + "
-                 f"{WARM_DECODE} + --decode-steps generated)")
+                 f"{WARM_DECODE} + --decode-steps + 1 generated)")
     return args
 
 
@@ -213,7 +213,7 @@ def run_request(engine, context: int, args, ceilings: dict, device, base: int) -
     """Prefill `context` - generated tokens of random ids in chunks, then decode to
     `context`; the times, floors and memory."""
     steps, label = args.decode_steps, token_label(context)
-    max_tokens = 1 + WARM_DECODE + steps
+    max_tokens = 1 + WARM_DECODE + steps + 1  # the last step (untimed) finishes the request
     prompt_len = context - max_tokens
     ids = torch.randint(0, engine.cfg.vocab_size, (prompt_len,),
                         generator=torch.Generator().manual_seed(context)).tolist()
@@ -258,8 +258,8 @@ def prefill(engine, req, ceilings: dict, device, label: str) -> dict:
 
 
 def decode(engine, req, steps: int, ceilings: dict, device) -> dict:
-    """Engine.step() at depth: WARM_DECODE steps, the graph replay timing, then `steps` timed
-    steps, the last of which finishes the request."""
+    """Engine.step() at depth: WARM_DECODE steps, the graph replay timing, `steps` timed
+    steps, then the step that finishes the request (freeing its KV: not a decode step's cost)."""
     for _ in range(WARM_DECODE):
         engine.step()
     replay = graph_replay(engine, req, device)
@@ -271,11 +271,11 @@ def decode(engine, req, steps: int, ceilings: dict, device) -> dict:
         engine.step()
     sync(device)
     mean_s = (time.perf_counter() - t) / steps
+    while engine.has_unfinished():
+        engine.step()
     if req.finish_reason != "length":
         raise RuntimeError(f"request {req.request_id}: ended {req.finish_reason!r} after "
                            f"{len(req.output_ids)} tokens, expected 'length'")
-    while engine.has_unfinished():
-        engine.step()
     depth = len(req.prompt_ids) + 1 + WARM_DECODE + steps // 2  # the timed steps' middle
     nbytes = decode_bytes(engine.cfg, depth)
     floor_ms = nbytes["total"] / ceilings["copy_GBps"] / 1e6

@@ -68,6 +68,11 @@ DECODE_TMA_SORTED = GemmConfig(8, 32, 256, 2, 3, swap=True)
 # rows / 1 warp at 512: 63.5-64.0; 1024 deep: 82-91, it spills). The down GEMM stays at 256:
 # its 2560 programs must fit one wave, and 512-deep stages do not (69.4 us).
 DECODE_TMA_GATE_UP = GemmConfig(8, 32, 512, 2, 3, swap=True)
+# Prefill (128-row token blocks): gate/up with the weights on the MMA's M side (and their
+# words by the TMA), down over 64-deep steps, 4 stages. H200, 16K tokens, 2026-12-03
+# (bench/kernels_moe.py --sweep nvfp4:16384): 38.6 ms with the shared (128, 64, 128) /
+# (128, 128, 128) shapes -> 30.1 (gate/up) -> 28.2 ms (down).
+PREFILL = (GemmConfig(128, 128, 128, 8, 3, swap=True), GemmConfig(128, 128, 64, 8, 4))
 
 
 def check_moe_nvfp4(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2):
@@ -296,6 +301,8 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2, x.dtype)
     tma = tma and has_tma(x.device)
     c13, c2 = launch_configs(numel if not direct else 1, e, config13, config2, h, inner, tma)
+    if c13.block_m == 128:  # prefill: the H200 sweep's shapes for the GEMMs left open
+        c13, c2 = config13 or PREFILL[0], config2 or PREFILL[1]
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
     x = x.contiguous()
     hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)

@@ -118,13 +118,13 @@ class Scheduler:
         full = min(req.num_computed // self.block_size, len(req.block_ids))
         if len(req.hashes) >= full:  # no new full block (most decode steps)
             return
-        ids = req.all_ids
         bs = self.block_size
-        while len(req.hashes) < full:
+        while len(req.hashes) < full:  # (not all_ids: a 1M-token list every block_size steps)
             b = len(req.hashes)
             parent = req.hashes[-1] if req.hashes else None
-            h = chain_hashes(ids[b * bs:(b + 1) * bs], bs, parent)[0]
-            self.blocks.register(req.block_ids[b], h, parent, ids[b * bs:(b + 1) * bs])
+            ids = req.ids_between(b * bs, (b + 1) * bs)
+            h = chain_hashes(ids, bs, parent)[0]
+            self.blocks.register(req.block_ids[b], h, parent, ids)
             req.hashes.append(h)
 
     # ------------------------------------------------------------------ releasing KV
