@@ -271,7 +271,7 @@ def launch_configs(numel: int, experts: int, config13=None, config2=None, k13: i
     of the GEMM's K: k13 = hidden size, k2 = expert width; tma: the TMA can be used) for each
     GEMM the caller left open where those put the weights on the MMA's M side; that shape
     takes the given GEMM's block_m when the other is given (both GEMMs share one token
-    sort)."""
+    sort); prefill sizes (128-row blocks) take PREFILL's shapes."""
     c13, c2 = configs_for(numel, experts, config13, config2)
     direct = numel <= 1  # (the launcher passes 1 for direct pairs)
     d13, d2 = decode_config(k13, tma, direct, gated=True), decode_config(k2, tma, direct)
@@ -279,6 +279,8 @@ def launch_configs(numel: int, experts: int, config13=None, config2=None, k13: i
         c13 = d13 if config2 is None else dataclasses.replace(d13, block_m=c2.block_m)
     if config2 is None and c2.swap:
         c2 = d2 if config13 is None else dataclasses.replace(d2, block_m=c13.block_m)
+    if c13.block_m == 128:  # prefill: PREFILL's shapes for the GEMMs left open
+        c13, c2 = config13 or PREFILL[0], config2 or PREFILL[1]
     return c13, c2
 
 
@@ -301,8 +303,6 @@ def moe_nvfp4_triton(x, topk_ids, topk_weights, w13, w13_scale, w13_scale_2, w2,
     config13, config2 = tuned_moe(OP, numel, e, inner, h, config13, config2, x.dtype)
     tma = tma and has_tma(x.device)
     c13, c2 = launch_configs(numel if not direct else 1, e, config13, config2, h, inner, tma)
-    if c13.block_m == 128:  # prefill: the H200 sweep's shapes for the GEMMs left open
-        c13, c2 = config13 or PREFILL[0], config2 or PREFILL[1]
     routing = plan_routing(topk_ids, e, c13.block_m, direct)
     x = x.contiguous()
     hbuf = torch.empty((routing.rows, inner), dtype=x.dtype, device=x.device)

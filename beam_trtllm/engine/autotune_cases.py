@@ -182,7 +182,7 @@ def moe_defaults(pairs: int, experts: int, fp8: bool = True, hidden: int = 0, in
 
 
 def _moe_changes(d, fp8: bool) -> list[dict]:
-    if d.swap:  # decode: one (token, expert) pair or a few per 16-row block
+    if d.swap and d.block_m < 64:  # decode: one (token, expert) pair or a few per small block
         return [dict(block_n=32), dict(block_n=128), dict(num_stages=d.num_stages - 1),
                 dict(num_stages=d.num_stages + 1), dict(block_k=2 * d.block_k if fp8 else d.block_k // 2),
                 dict(num_warps=2)]
