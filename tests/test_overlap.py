@@ -83,6 +83,29 @@ def test_stop_strings_and_rows_that_cannot_overlap(tiny_fp32_engine_dir):
     assert_all_free(ahead)
 
 
+def test_grammar_rows_match_step_by_step(tiny_fp32_engine_dir):
+    """Grammar rows overlap too: the next step's forward is launched before this step's tokens
+    land, its sampling once their matchers have taken them and filled the masks. A tool call
+    (its grammar ends the request), JSON, a thinking budget, sampled and plain rows; a
+    penalized grammar row joins later (it cannot overlap: those steps run one at a time)."""
+    from test_grammar_engine import _requests
+    params = _requests()
+    names = ["call", "json", "plain", "think", "call2", "seeded", "penalized"]
+    ps = dict(zip(names, prompts(17, [9, 23, 5, 31, 14, 7, 18])))
+    arrivals = {0: [(r, ps[r], params[r]) for r in ("call", "json", "think")],
+                12: [(r, ps[r], params[r]) for r in ("plain", "call2", "seeded")],
+                30: [("penalized", ps["penalized"], params["penalized"])]}
+    grammar_only = {}  # overlapped steps by step 11, while every row has a grammar
+
+    def note(engine, step):
+        if step == 11:
+            grammar_only[engine.overlap] = engine.stats["overlapped_steps"]
+    want, got, _, ahead = both(tiny_fp32_engine_dir, arrivals, on_step=note)
+    assert got == want and want["call"]["finish_reason"] == "stop"
+    assert grammar_only[True] >= 8 and ahead.stats["overlapped_steps"] > grammar_only[True]
+    assert_all_free(ahead)
+
+
 def test_abort_while_a_step_is_in_flight(tiny_fp32_engine_dir):
     ps = prompts(14, [8, 10])
     arrivals = {0: [("x", ps[0], greedy(30)), ("y", ps[1], greedy(30))]}

@@ -11,8 +11,11 @@ applies the stop conditions. A request that stops there has one more step in fli
 token is dropped when that step lands. The GPU runs steps back to back while the host works.
 
 What runs overlapped: greedy and sampled rows (seeded or not), stop tokens and strings,
-length limits. What runs as before, one step at a time: prefill chunks, waiting requests,
-speculative decoding, grammars, penalties and logit bias, logprobs, handoffs, parallel ranks.
+length limits, grammars. A step with grammar rows launches its forward only: its tokens are
+sampled once the step before has landed and its tokens' matchers have filled the next masks,
+so that host work (xgrammar holds the GIL while it fills) runs beside the forward. What runs
+as before, one step at a time: prefill chunks, waiting requests, speculative decoding,
+penalties and logit bias, logprobs, handoffs, parallel ranks.
 The tokens are those of the step-by-step engine (the same kernels, inputs and random draws,
 in the same order; tests/test_overlap.py). Blocks a finished request held may still be written
 by its last in-flight step: that write is ordered before any later step's on the stream, and
@@ -54,7 +57,7 @@ class OverlapMixin:
         """The request's next step can be launched before its current token is known."""
         p = req.sampling
         return (req.state == State.RUNNING and not req.prefill_only and req.pending_first is None
-                and not p.structural_tag and not p.penalized and not p.logit_bias
+                and not p.penalized and not p.logit_bias
                 and p.logprobs is None and len(req.output_ids) + 1 < p.max_tokens
                 and req.num_tokens + 1 < req.max_total)
 
@@ -80,10 +83,18 @@ class OverlapMixin:
     def _launch(self, chunks: list[Chunk], input_ids: torch.Tensor | None = None) -> InFlight:
         """Forward and device-side sampling of a step; its tokens start for the host."""
         logits = self._forward(chunks, input_ids)[0]
+        return self._sample_launched(chunks, logits, 1 if input_ids is not None else 0)
+
+    def _sample_launched(self, chunks: list[Chunk], logits: torch.Tensor, ahead: int) -> InFlight:
+        """Device-side sampling of a launched forward (grammar rows masked by their matchers'
+        current state); `ahead`: 1 where the token before is not appended yet."""
         reqs = [c.request for c in chunks]
-        ahead = 1 if input_ids is not None else 0  # the token before is not appended yet
+        rows = [b for b, r in enumerate(reqs)
+                if r.sampling.structural_tag and r.state == State.RUNNING]
+        bitmask, index = self._grammar_masks(reqs, rows) if rows else (None, None)
         tokens, _ = sample_on_device(logits, [r.sampling for r in reqs],
-                                     [len(r.output_ids) + ahead for r in reqs], self.generator)
+                                     [len(r.output_ids) + ahead for r in reqs], self.generator,
+                                     bitmask=bitmask, mask_rows=rows, mask_index=index)
         host = self._token_bufs[self._next_buf][:len(chunks)]
         self._next_buf ^= 1
         ready = None
@@ -100,10 +111,14 @@ class OverlapMixin:
         it can be, then land the first: its tokens, stop conditions, outputs."""
         current = self._inflight if chunks is None else self._launch(chunks)
         after = self._next_chunks(current)
-        self._inflight = self._launch(after, current.tokens) if after else None
+        masked = after is not None and any(c.request.sampling.structural_tag for c in after)
+        self._inflight = self._launch(after, current.tokens) if after and not masked else None
+        logits = self._forward(after, current.tokens)[0] if masked else None
         if after:
             self.stats["overlapped_steps"] += 1
         outputs = self._land(current)
+        if masked:  # its matchers have taken the landed tokens: the masks, then the sampling
+            self._inflight = self._sample_launched(after, logits, 0)
         if self._inflight is not None and not any(
                 c.request.state == State.RUNNING for c in self._inflight.chunks):
             self._inflight = None  # every request it computes for has ended
@@ -112,16 +127,19 @@ class OverlapMixin:
     def _land(self, step: InFlight) -> list[RequestOutput]:
         if step.ready is not None:
             step.ready.synchronize()
-        outputs = []
+        landed = []
         for c, token in zip(step.chunks, step.host.tolist()):
             req = c.request
             if req.state != State.RUNNING:  # ended (a stop, an abort) while this step ran
                 continue
             self.scheduler.commit(c)
             req.output_ids.append(token)
-            self.stats["generated_tokens"] += 1
-            outputs.append(self._token_output(req, token, None))
-        return outputs
+            landed.append((req, token))
+        self.stats["generated_tokens"] += len(landed)
+        reqs, tokens = [r for r, _ in landed], [t for _, t in landed]
+        rows = [b for b, r in enumerate(reqs) if r.sampling.structural_tag]
+        verdicts = self._accept_rows(reqs, tokens, rows) if rows else {}
+        return [self._token_output(r, t, None, verdicts.get(b)) for b, (r, t) in enumerate(landed)]
 
     def _quiesce(self) -> None:
         """Wait for an in-flight step's GPU work (before blocks are handed to a transport)."""
