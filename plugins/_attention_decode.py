@@ -241,11 +241,14 @@ def _decode_combine_kernel(part_o_ptr, part_m_ptr, part_l_ptr, gate_ptr, out_ptr
 
 
 def num_splits(batch: int, hkv: int, capacity: int, block_n: int, device: torch.device,
-               programs_per_sm: int, min_split: int) -> int:
+               programs_per_sm: int, min_split: int, wave_fit: bool = False) -> int:
     """Enough programs to fill the GPU, but no split shorter than `min_split` keys of the
-    longest context the cache can address (`capacity`, a shape, not data). On the CPU
-    (interpreter) sm_count is 4: a few splits, so the tests exercise the merge."""
-    want = triton.cdiv(programs_per_sm * sm_count(device), batch * hkv)
+    longest context the cache can address (`capacity`, a shape, not data). `wave_fit`: at
+    most programs_per_sm programs an SM (whole waves, where that is the kernel's occupancy)
+    instead of at least that many. On the CPU (interpreter) sm_count is 4: a few splits, so
+    the tests exercise the merge."""
+    slots = programs_per_sm * sm_count(device)
+    want = max(1, slots // (batch * hkv)) if wave_fit else triton.cdiv(slots, batch * hkv)
     return max(1, min(want, triton.cdiv(capacity, max(min_split, block_n))))
 
 
@@ -275,7 +278,8 @@ def launch_decode(q, k_new, v_new, gate, k_cache, v_cache, q_start, hist_start, 
     stages = cfg["num_stages_short"] if short else cfg["num_stages"]
     per_sm = cfg["programs_per_sm_fp8" if is_fp8(k_cache.dtype) else "programs_per_sm"]
     splits = cfg.get("splits") or num_splits(b, hkv, capacity, block_n, q.device, per_sm,
-                                             cfg["min_split_short" if short else "min_split"])
+                                             cfg["min_split_short" if short else "min_split"],
+                                             bool(cfg["wave_fit"]))
     out = q.new_empty(b, hq * d, dtype=q.dtype if out_scale is None else FP8_DTYPE)
     out_scale = gate if out_scale is None else out_scale  # (a pointer the kernels never read)
     block_g, block_d = max(16, next_pow2(g)), max(16, next_pow2(d))

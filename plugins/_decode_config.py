@@ -22,7 +22,11 @@ plugins/tuning.py validates a tuned table's overrides against their names)."""
 DECODE_CONFIG = dict(BLOCK_N=128, BLOCK_N_SHORT=64, short_capacity=2048, num_warps=4,
                      num_stages=3, num_stages_short=2, programs_per_sm=2, programs_per_sm_fp8=3,
                      min_split=128, min_split_short=64, combine_block_d=16, combine_warps=1,
-                     fp8_operands=4)
+                     fp8_operands=4, wave_fit=0)
+# wave_fit: splits so that the grid is at most programs_per_sm programs an SM (num_splits),
+# not at least. At Beam's heads over a long cache the split kernel holds 232 (BF16) / 254
+# (FP8) registers a thread (sm_90 build, ptxas): 2 programs of 128 threads an SM, so 3 an SM
+# run as 1.5 waves; off until bench/decode_fp8kv.py's "fit" rows are measured.
 # the settings that are tile widths (tl.arange's): powers of two
 DECODE_POW2 = ("BLOCK_N", "BLOCK_N_SHORT", "combine_block_d")
 # fp8_operands' values: setting -> (K's, V's) operand form (_attention_tiles: 1 CAST, 2 CVT,

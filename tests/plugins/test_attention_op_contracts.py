@@ -76,3 +76,16 @@ def test_bad_inputs_name_the_op_and_the_tensor(op, arg, bad, needle):
     with pytest.raises(PluginError, match=f"beam::{op}: .*") as err:
         getattr(torch.ops.beam, op)(*args)
     assert needle in str(err.value)
+
+
+def test_decode_splits_fill_the_gpu_or_fit_whole_waves():
+    """num_splits: at least programs_per_sm programs an SM (the default), or with wave_fit at
+    most that many (whole waves where that is the kernel's occupancy); never a split shorter
+    than min_split keys of the capacity. (The CPU counts 4 SMs.)"""
+    from plugins._attention_decode import num_splits
+    cpu = torch.device("cpu")
+    args = dict(capacity=1 << 20, block_n=128, device=cpu, programs_per_sm=2, min_split=128)
+    assert num_splits(3, 2, **args) == 2 and num_splits(3, 2, **args, wave_fit=True) == 1
+    assert num_splits(1, 1, **args) == num_splits(1, 1, **args, wave_fit=True) == 8
+    assert num_splits(64, 8, **args, wave_fit=True) == 1
+    assert num_splits(1, 1, **dict(args, capacity=300)) == 3  # 300 keys: 3 splits of >= 128
