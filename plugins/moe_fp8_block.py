@@ -54,6 +54,9 @@ FP8 = (torch.float8_e4m3fn,)
 # TMA prefill launch shapes (gate/up, down). H200, 16K tokens, 2026-12-03 (bench/kernels_moe.py
 # --sweep fp8_block:16384): gate/up with the weights on the MMA's M side (moe_fp8's shape)
 # 33.0 ms, tokens there 16.2 ms; 64-row blocks 17.9-18.1; down at 4 warps 16.1, 8 warps 16.6.
+# Register pressure (sm_90 builds, ptxas, on the CPU): each step's FP32 partial product beside
+# the accumulator(s): gate/up 255 registers + 156 bytes of spills (swapped: 780), down at 4
+# warps 144 bytes, at 8 warps 158 registers and none (yet the slower of the two).
 PREFILL_TMA = (GemmConfig(128, 128, 128, 8, 3, tail_m=64),
                GemmConfig(128, 128, 128, 4, 3, tail_m=64))
 
@@ -135,13 +138,22 @@ def _moe_fp8_block_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, out_s_ptr,
     acc, acc_up = fp8_block_gemm_loop(a_ptrs, as_ptrs, valid, w_ptrs, ws_ptrs, n_mask, K,
                                       N * stride_wn, N * stride_sn, GATED, SWAP, BLOCK_M,
                                       BLOCK_N, BLOCK_K)
+    _store_tile(acc, acc_up, out_ptr, out_s_ptr + rows.to(tl.int64) * stride_osm + pid_n, rows,
+                slots, valid, offs_n, n_mask, stride_om, eps, ACT, GATED, SWAP)
+
+
+@triton.jit
+def _store_tile(acc, acc_up, out_ptr, out_s_ptrs, rows, slots, valid, offs_n, n_mask, stride_om,
+                eps, ACT: tl.constexpr, GATED: tl.constexpr, SWAP: tl.constexpr):
+    """The epilogue of both launches. GATED: h's FP8 codes into its rows and their one scale
+    each into out_s_ptrs (the tile is one 128-channel group). Else y[slot] in out's dtype."""
     out_mask = valid[:, None] & n_mask[None, :]
     if GATED:
         h = silu_mul(unswap(acc, SWAP), unswap(acc_up, SWAP), ACT)  # masked columns are 0
         codes, scale = quant_block_tile(h, eps)
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, codes, mask=out_mask)
-        tl.store(out_s_ptr + rows.to(tl.int64) * stride_osm + pid_n, scale, mask=valid)
+        tl.store(out_s_ptrs, scale, mask=valid)
     else:
         out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         out = round_to(unswap(acc, SWAP), ACT)
@@ -206,17 +218,8 @@ def _tma_tile(tile, a_desc, row0, as_ptr, w_desc, ws_ptr, out_ptr, out_s_ptr, N,
     acc, acc_up = tma_block_gemm_loop(a_desc, row0, as_ptrs, rows_total, valid, w_desc, w_row0,
                                       ws_ptr, N, N * stride_sn, K, GATED, SWAP, BLOCK_M, BLOCK_N,
                                       BLOCK_K)
-    out_mask = valid[:, None] & n_mask[None, :]
-    if GATED:
-        h = silu_mul(unswap(acc, SWAP), unswap(acc_up, SWAP), ACT)  # masked columns are 0
-        codes, scale = quant_block_tile(h, eps)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :], codes,
-                 mask=out_mask)
-        tl.store(out_s_ptr + n0 // BLOCK_N * rows_total + rows, scale, mask=valid)
-    else:
-        out = round_to(unswap(acc, SWAP), ACT)
-        tl.store(out_ptr + slots.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    _store_tile(acc, acc_up, out_ptr, out_s_ptr + n0 // BLOCK_N * rows_total + rows, rows, slots,
+                valid, offs_n, n_mask, stride_om, eps, ACT, GATED, SWAP)
 
 
 def _tma_gemm(a, a_s, w, ws, out, out_s, routing: Routing, numel, top_k, n, k, gated, act,

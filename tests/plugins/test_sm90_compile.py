@@ -23,6 +23,7 @@ from plugins.attention import _launch_attention
 from plugins.cache_write import _launch_cache_write
 from plugins.group_router import _launch_group_router
 from plugins.linear_fp8 import linear_fp8_triton
+from plugins.linear_fp8_block import linear_fp8_block_triton
 from plugins.linear_nvfp4 import linear_nvfp4_triton
 from plugins.moe_fp8 import moe_fp8_triton
 from plugins.moe_nvfp4 import moe_nvfp4_triton
@@ -96,6 +97,17 @@ def _moe_fp8_prefill():
                    torch.ones(e, H), one, one, BF16)
 
 
+def _fp8_block_prefill():
+    """linear_fp8_block's TMA GEMM at 128 tokens. (moe_fp8_block's TMA prefill is not here:
+    at its measured-fastest shapes both GEMMs spill, 156 and 144 bytes at 255 registers; see
+    moe_fp8_block.PREFILL_TMA.)"""
+    t = 128
+    kb = lambda k: -(-k // 128)  # noqa: E731
+    n = BEAM.qkv_gate_size
+    linear_fp8_block_triton(torch.randn(t, H, dtype=BF16), torch.zeros(n, H, dtype=FP8),
+                            torch.ones(kb(n), kb(H)))
+
+
 def _nvfp4_decode():
     """The NVFP4 decode GEMMs at Beam shapes (whole 128-deep K tiles, BF16: the code-pair PTX
     decode into the MMA's registers)."""
@@ -139,6 +151,7 @@ BUILDS = {
     "norms-fp8-out": _fp8_norms,
     "fp8-gemms-decode": _fp8_gemms_decode,
     "moe-fp8-prefill": _moe_fp8_prefill,
+    "fp8-block-prefill": _fp8_block_prefill,
     "nvfp4-decode": _nvfp4_decode,
 }
 
