@@ -134,11 +134,13 @@ def test_cuda_graph_steps_match_step_by_step(tiny_dir, tmp_path):
     """On the GPU the next step really runs while the host lands this one."""
     path = build_engine(tiny_dir, tmp_path / "e", BuildOptions(**TINY_OPTS, target="sm90",
                                                                autotune="off"))
-    ps = prompts(16, [6, 19, 11, 4])
+    from test_grammar_engine import _requests
+    ps = prompts(16, [6, 19, 11, 4, 9])
     arrivals = {0: [("g0", ps[0], greedy(40)), ("g1", ps[1], greedy(33))],
                 5: [("s", ps[2], SamplingParams(max_tokens=25, temperature=0.8, seed=3,
                                                 ignore_eos=True)),
-                    ("g2", ps[3], greedy(2))]}
+                    ("g2", ps[3], greedy(2))],
+                9: [("json", ps[4], _requests()["json"])]}  # a grammar row (masked sampling)
     plain = Engine.from_dir(path, device="cuda", overlap=False)
     ahead = Engine.from_dir(path, device="cuda")
     assert ahead.overlap and ahead.graphs is not None
