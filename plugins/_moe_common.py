@@ -146,12 +146,14 @@ def tma_addressable(m: torch.Tensor) -> bool:
 
 
 def takes_tma(x: torch.Tensor, routing: Routing, configs, *mats: torch.Tensor) -> bool:
-    """Whether the GEMMs load by the TMA: tail-block layouts (prefill), a device with a TMA
-    (sm_90+; the interpreter emulates it), tiles one TMA copy can fill (at most 256 rows and
-    columns, rows of at least 16 bytes) and operands the TMA can address (contiguous, 16-byte
-    aligned, rows a multiple of 16 bytes)."""
-    if not routing.tail_m or routing.direct:
-        return False
+    """Whether the GEMMs load by the TMA: tail-block layouts (prefill) and `tma_fits`."""
+    return bool(routing.tail_m) and not routing.direct and tma_fits(x, configs, *mats)
+
+
+def tma_fits(x: torch.Tensor, configs, *mats: torch.Tensor) -> bool:
+    """A device with a TMA (sm_90+; the interpreter emulates it), tiles one TMA copy can fill
+    (at most 256 rows and columns, rows of at least 16 bytes) and operands the TMA can address
+    (contiguous, 16-byte aligned, rows a multiple of 16 bytes)."""
     if any(max(c.block_m, c.block_n, c.block_k) > TMA_MAX_BOX or c.block_k < 16 for c in configs):
         return False
     return has_tma(x.device) and all(tma_addressable(m) for m in mats)

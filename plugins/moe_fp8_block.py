@@ -43,9 +43,9 @@ from ._checks import check_device
 from ._gemm import fp8_block_gemm_loop, round_to, silu_mul, tile_of, tma_block_gemm_loop, unswap
 from ._moe_common import (
     DIRECT_MAX_PAIRS, TL_DTYPES, GemmConfig, Routing, block_tile, check_expert_weights,
-    TMA_MAX_BOX, check_ids_in_range, check_routing, check_tensor, configs_for, default_config,
-    empty_output, fake_moe, finish, has_tma, past_last_row, plan_routing, ref_moe, routing_ptrs,
-    tail_ptrs, tma_addressable, tma_descriptors,
+    check_ids_in_range, check_routing, check_tensor, configs_for, default_config, empty_output,
+    fake_moe, finish, past_last_row, plan_routing, ref_moe, routing_ptrs, tail_ptrs,
+    tma_descriptors, tma_fits,
 )
 from .registry import beam_op, dispatch, PluginError, register
 
@@ -241,10 +241,9 @@ def _tma_gemm(a, a_s, w, ws, out, out_s, routing: Routing, numel, top_k, n, k, g
 
 def _tma_possible(x, w13, w2, inner, configs) -> bool:
     """Whether the TMA prefill runs: I a multiple of 128 (whole scale blocks per tile), tail
-    blocks, tiles one TMA copy fills, a device with a TMA, addressable weights."""
-    return (inner % FP8_BLOCK == 0 and has_tma(x.device)
-            and all(c.tail_m and max(c.block_m, c.block_n) <= TMA_MAX_BOX for c in configs)
-            and tma_addressable(w13) and tma_addressable(w2))
+    blocks, and `tma_fits`."""
+    return (inner % FP8_BLOCK == 0 and all(c.tail_m for c in configs)
+            and tma_fits(x, configs, w13, w2))
 
 
 def _tma_experts(x, w13, w13_scale, w2, w2_scale, routing: Routing, numel, top_k, inner, c13,

@@ -73,11 +73,16 @@ class OutputMixin:
         for req, token in zip(reqs, tokens):
             req.output_ids.append(token)
         self.stats["generated_tokens"] += len(reqs)
+        return self._emit_tokens(reqs, tokens, logprobs)
+
+    def _emit_tokens(self, reqs: list[Request], tokens: list[int], logprobs=None):
+        """The outputs of tokens just appended, one per request: the constrained rows'
+        matchers accept theirs in one batch first."""
+        rows = [b for b, r in enumerate(reqs) if r.sampling.structural_tag]
         verdicts = self._accept_rows(reqs, tokens, rows) if rows else {}
-        outputs = []
-        for b, (req, token, lp) in enumerate(zip(reqs, tokens, logprobs)):
-            outputs.append(self._token_output(req, token, lp, verdicts.get(b)))
-        return outputs
+        lps = logprobs if logprobs is not None else [None] * len(reqs)
+        return [self._token_output(r, t, lp, verdicts.get(b))
+                for b, (r, t, lp) in enumerate(zip(reqs, tokens, lps))]
 
     def _verify(self, chunks, verify: list[int], rows, outputs) -> None:
         """Accept drafts, emit the accepted tokens and the correction / bonus one by one

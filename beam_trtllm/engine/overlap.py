@@ -111,10 +111,12 @@ class OverlapMixin:
         it can be, then land the first: its tokens, stop conditions, outputs."""
         current = self._inflight if chunks is None else self._launch(chunks)
         after = self._next_chunks(current)
+        self._inflight = None
         masked = after is not None and any(c.request.sampling.structural_tag for c in after)
-        self._inflight = self._launch(after, current.tokens) if after and not masked else None
-        logits = self._forward(after, current.tokens)[0] if masked else None
         if after:
+            logits = self._forward(after, current.tokens)[0]
+            if not masked:
+                self._inflight = self._sample_launched(after, logits, 1)
             self.stats["overlapped_steps"] += 1
         outputs = self._land(current)
         if masked:  # its matchers have taken the landed tokens: the masks, then the sampling
@@ -136,10 +138,7 @@ class OverlapMixin:
             req.output_ids.append(token)
             landed.append((req, token))
         self.stats["generated_tokens"] += len(landed)
-        reqs, tokens = [r for r, _ in landed], [t for _, t in landed]
-        rows = [b for b, r in enumerate(reqs) if r.sampling.structural_tag]
-        verdicts = self._accept_rows(reqs, tokens, rows) if rows else {}
-        return [self._token_output(r, t, None, verdicts.get(b)) for b, (r, t) in enumerate(landed)]
+        return self._emit_tokens([r for r, _ in landed], [t for _, t in landed])
 
     def _quiesce(self) -> None:
         """Wait for an in-flight step's GPU work (before blocks are handed to a transport)."""
