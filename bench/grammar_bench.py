@@ -4,6 +4,7 @@
     python bench/grammar_bench.py --smoke        # tiny Beam on the CPU, a few tokens
     python bench/grammar_bench.py --smoke --vocab 151936 --batch 32 --phases
     python bench/grammar_bench.py --write-checkpoint DIR --vocab 151936   # for beam-trt build
+    PYTHONPATH=.:bench python bench/grammar_bench.py --bench-model fp8 --batch 1 32   # H200
 
 Each batch runs the same chat prompt twice through the engine: unconstrained (ignore_eos) and
 under Beam's turn grammar with an answer body of free text (reasoning off), so both decode the
@@ -12,7 +13,9 @@ ceiling: the same engine unconstrained). --phases adds the host time per decode 
 engine's parts in both runs (the forward's launch, the sampling rows with their grammar masks
 and accepted tokens, the whole step). --vocab builds the tiny Beam with a tokenizer of that
 many tokens (Beam's is 151936; the tiny one's 512), trained on the bundled corpus plus
-made-up words. About 3 minutes on the 2-core CPU box with the defaults (64 tokens, best of
+made-up words. --bench-model runs engine_bench's full-width 4-layer canonical Beam instead
+(random weights of that format, CUDA graphs), whose decode step the GPU bounds as Beam's
+does; the tiny Beam's step on an H200 is host time. About 3 minutes on the 2-core CPU box with the defaults (64 tokens, best of
 3), under a minute on an H200; --smoke with a few tokens, seconds.
 """
 
@@ -54,8 +57,38 @@ def _tiny_checkpoint(out: Path, vocab: int | None) -> Path:
                      corpus_lines=_made_up_corpus(vocab))
 
 
+def _bench_model_engine(fmt: str, batches: list[int], device: str | None, smoke: bool):
+    """engine_bench's canonical Beam (full width, 4 layers, random `fmt` weights) with CUDA
+    graphs of `batches` and a tokenizer of its 151936 tokens: a decode step the GPU bounds,
+    as at Beam's size, where the tiny Beam's step is host-bound (its GPU time a fraction of
+    the host's). smoke: engine_bench's narrow config instead (the code path, on the CPU)."""
+    import torch
+    from _engine_model import bench_config, make_engine
+
+    from beam_trtllm.engine.graphs import DecodeGraphs
+    from beam_trtllm.tokenizer import EOS_TOKENS, TextTokenizer, write_tokenizer_files
+
+    cfg = bench_config(smoke)
+    tok_dir = Path(tempfile.mkdtemp(prefix="grammar-bench-tokenizer-"))
+    t0 = time.perf_counter()
+    ids = write_tokenizer_files(tok_dir, cfg.vocab_size, 4096, _made_up_corpus(cfg.vocab_size))
+    print(f"tokenizer of {cfg.vocab_size} tokens trained in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    dev = torch.device(device or ("cpu" if smoke else "cuda"))
+    engine = make_engine(cfg, fmt, dev, max_num_tokens=4096)
+    engine.tokenizer = TextTokenizer(tok_dir)
+    engine.eos_token_ids = frozenset(ids[t] for t in EOS_TOKENS)
+    if dev.type == "cuda":
+        engine.graphs = DecodeGraphs(engine.model, engine.options, engine.kv_plan, engine.cfg,
+                                     dev, sizes=tuple(sorted(set(batches))))
+    return engine
+
+
 def _engine(args):
     from beam_trtllm.engine.engine import Engine
+
+    if args.bench_model:
+        return _bench_model_engine(args.bench_model, args.batch, args.device, args.smoke)
 
     if args.smoke and args.engine_dir is None:
         from beam_trtllm.engine.build import build_engine
@@ -158,6 +191,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default=None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bench-model", default=None, choices=("bf16", "fp8", "nvfp4"),
+                    help="instead of an engine dir: engine_bench's full-width 4-layer Beam with "
+                         "these random weights (GPU), a step the GPU bounds")
     ap.add_argument("--smoke", action="store_true", help="build the tiny Beam and run on the CPU")
     ap.add_argument("--vocab", type=int, default=None,
                     help="--smoke: the tiny Beam's vocabulary size (Beam's: 151936)")
@@ -173,15 +209,15 @@ def main(argv=None) -> None:
         return
     if args.smoke:
         args.device = args.device or "cpu"
-    if args.engine_dir is None and not args.smoke:
-        ap.error("--engine-dir is required (or --smoke)")
+    if args.engine_dir is None and not args.smoke and not args.bench_model:
+        ap.error("--engine-dir is required (or --smoke, or --bench-model)")
     from beam_trtllm.chat.grammar import turn_structural_tag
 
     engine = _engine(args)
     timer = PhaseTimer(engine) if args.phases else None
     prompt = engine.tokenizer.chat_ids([{"role": "user", "content": "Write a haiku."}])
     tag = turn_structural_tag({}, None, {"type": "text"}, False)
-    print(f"engine {args.engine_dir}  device {engine.device}  vocab {engine.cfg.vocab_size}  "
+    print(f"engine {args.engine_dir or args.bench_model}  device {engine.device}  vocab {engine.cfg.vocab_size}  "
           f"{args.tokens} tokens per sequence")
     print("| batch | unconstrained tok/s | grammar tok/s | slowdown |")
     print("| ---: | ---: | ---: | ---: |")

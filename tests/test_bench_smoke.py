@@ -34,7 +34,8 @@ SMOKE = {
     "engine_gpu_check.py": ["--smoke"],
     "engine_bench_parallel.py": ["--smoke", "--layouts", "tp1,ep2"],
     "host_overhead.py": ["--smoke"],
-    "grammar_bench.py": ["--smoke", "--batch", "1", "2", "--tokens", "4", "--repeats", "1"],
+    "grammar_bench.py": ["--smoke", "--bench-model", "bf16", "--batch", "1", "2", "--tokens", "4",
+                         "--repeats", "1"],  # the tiny path: test_grammar_engine, the demo
     "long_context.py": ["--smoke"],
     "serve_bench.py": ["--smoke"],
     "agreement.py": ["--smoke"],
