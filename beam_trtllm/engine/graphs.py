@@ -117,6 +117,10 @@ class DecodeGraphs:
         h["ring_index"][:n] = self.scratch_row
         h["slot_full"][:n] = -1
         h["slot_sliding"][:n] = -1
+        if q == 1 and all(c.n == 1 for c in chunks):  # plain decode: one list a buffer
+            self._fill_decode(chunks, h)
+            stage.copy(n)
+            return
         for i, c in enumerate(chunks):
             req, p, tokens = c.request, c.start, c.token_ids
             lo, m = i * q, len(tokens)  # rows past m pad the sequence: they write nothing
@@ -130,6 +134,22 @@ class DecodeGraphs:
             h["slot_sliding"][lo:lo + m] = [req.ring_row * ring + x % ring for x in range(p, p + m)]
             self.table.set(lo, req, q)  # a sequence's rows share its table
         stage.copy(n)
+
+    def _fill_decode(self, chunks: list[Chunk], h: dict) -> None:
+        """`_fill`'s rows for one token a sequence, each buffer written once from a list (the
+        row-by-row slices cost ~12 us a sequence of host time at batch 32)."""
+        bs, ring, m = self.block_size, self.window, len(chunks)
+        reqs = [c.request for c in chunks]
+        pos = [c.start for c in chunks]
+        h["input_ids"][:m] = [c.token_ids[0] for c in chunks]
+        h["positions"][:m] = pos
+        h["q_start"][:m] = pos
+        h["hist_sliding"][:m] = [r.hist_start for r in reqs]
+        h["ring_index"][:m, 0] = [r.ring_row for r in reqs]
+        h["slot_full"][:m] = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(reqs, pos)]
+        h["slot_sliding"][:m] = [r.ring_row * ring + p % ring for r, p in zip(reqs, pos)]
+        for i, r in enumerate(reqs):
+            self.table.set(i, r)
 
     def replay_padding(self, b: int) -> None:
         """Replay graph b over padding rows only (they touch no live cache): its cost."""
