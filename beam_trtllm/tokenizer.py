@@ -117,6 +117,10 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, skip_special_tokens: bool = True):
+        """An incremental decoder (engine/detok.py): `.step(ids)` -> the new text or None."""
+        return _Stream(self.tok, skip_special_tokens)
+
     def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
@@ -153,3 +157,15 @@ class TextTokenizer:
                  tools: list[dict] | None = None, **kwargs) -> list[int]:
         rendered = self._render(messages, tools, add_generation_prompt, **kwargs)
         return self.prompt_tokenizer.encode_rendered(rendered)
+
+
+class _Stream:
+    """`tokenizers`' DecodeStream bound to its tokenizer."""
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool):
+        from tokenizers.decoders import DecodeStream
+
+        self.tok, self.stream = tok, DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, ids: list[int]) -> str | None:
+        return self.stream.step(self.tok, ids)

@@ -37,6 +37,9 @@ class _KeepSpecial:
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=False)
 
+    def decode_stream(self):
+        return self.tok.decode_stream(skip_special_tokens=False)
+
 
 class BeamChatProcessor:
     def __init__(self, model_dir: str, routed_engine, vocab_size: int, eos_token_ids: list[int],
