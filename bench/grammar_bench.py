@@ -15,8 +15,9 @@ and accepted tokens, the whole step). --vocab builds the tiny Beam with a tokeni
 many tokens (Beam's is 151936; the tiny one's 512), trained on the bundled corpus plus
 made-up words. --bench-model runs engine_bench's full-width 4-layer canonical Beam instead
 (random weights of that format, CUDA graphs), whose decode step the GPU bounds as Beam's
-does; the tiny Beam's step on an H200 is host time. About 3 minutes on the 2-core CPU box with the defaults (64 tokens, best of
-3), under a minute on an H200; --smoke with a few tokens, seconds.
+does; the tiny Beam's step on an H200 is host time. About 3 minutes on the 2-core CPU box
+with the defaults (64 tokens, best of 3), under a minute on an H200; --smoke with a few
+tokens, seconds.
 """
 
 from __future__ import annotations
@@ -217,8 +218,8 @@ def main(argv=None) -> None:
     timer = PhaseTimer(engine) if args.phases else None
     prompt = engine.tokenizer.chat_ids([{"role": "user", "content": "Write a haiku."}])
     tag = turn_structural_tag({}, None, {"type": "text"}, False)
-    print(f"engine {args.engine_dir or args.bench_model}  device {engine.device}  vocab {engine.cfg.vocab_size}  "
-          f"{args.tokens} tokens per sequence")
+    print(f"engine {args.engine_dir or args.bench_model}  device {engine.device}  "
+          f"vocab {engine.cfg.vocab_size}  {args.tokens} tokens per sequence")
     print("| batch | unconstrained tok/s | grammar tok/s | slowdown |")
     print("| ---: | ---: | ---: | ---: |")
     notes = []
