@@ -102,3 +102,29 @@ def test_stop_strings_cut_and_hold_back(tok):
     shown.append(d.finish())
     assert "".join(shown) == "first line\nsecond "
     assert all("S" not in s for s in shown)  # no partial stop string ever reached the client
+
+
+class _WindowsOnly:
+    """A decoder without `decode_stream`: the detokenizer decodes its two windows itself."""
+
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+@pytest.mark.parametrize("stop", [(), ("ünï", "never")])
+def test_stream_and_window_detokenizers_show_the_same_pieces(tok, stop):
+    """TextTokenizer's DecodeStream and the Python two-window decode give the same text piece
+    by piece, one token at a time and several at once (a verify step's), with special tokens."""
+    ids = tok.encode("x = '漢字' + \"naïve\"\n<|end|>  # ünïcode ✓ after") * 2
+    prompt = tok.encode("prompt: 字")
+    cuts = [0]
+    while cuts[-1] < len(ids):  # consecutive groups of 1, 3, 1, 2, ... tokens
+        cuts.append(min(len(ids), cuts[-1] + (1, 3, 1, 2)[len(cuts) % 4]))
+    runs = []
+    for decoder in (tok, _WindowsOnly(tok)):
+        d = IncrementalDetokenizer(decoder, prompt, stop=stop)
+        assert (d.stream is not None) == (decoder is tok)
+        pieces = [d.add(ids[a:b]) for a, b in zip(cuts, cuts[1:]) if not d.stopped]
+        runs.append(pieces + [d.finish()])
+    assert runs[0] == runs[1]
+    assert "".join(runs[0]) == (tok.decode(ids) if not stop else tok.decode(ids).split("ünï")[0])
