@@ -46,6 +46,29 @@ def test_special_tokens_and_metadata(tok, tiny_dir):
                                      tok.token_id("<|endoftext|>")]
 
 
+def test_transformers_reads_the_response_template(tiny_dir):
+    """An outside reader of the metadata: transformers' `parse_response` (which reads
+    tokenizer_config.json's `response_template`) parses a reasoning + answer turn and a tool
+    call with typed arguments from the tiny Beam's tokenizer."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_dir))
+    prefix = "<|start|>user<|message|>hi<|end|><|start|>assistant"
+    answer = ("<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final"
+              "<|message|>hello<|return|>")
+    assert hf.parse_response(answer, prefix=prefix) == {
+        "role": "assistant", "thinking": "think", "content": "hello"}
+    properties = {"city": {"type": "string"}, "days": {"type": "integer"}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": properties}}}]
+    call = (' to=get_weather<|channel|>analysis <|constrain|>xml<|message|><rfl:parameter '
+            'name="city">\nParis\n</rfl:parameter><rfl:parameter name="days">\n3\n'
+            '</rfl:parameter><|call|>')
+    parsed = hf.parse_response(call, prefix=prefix, tools=tools)
+    assert parsed["tool_calls"] == [{"type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]
+
+
 def test_template_renders_every_role_as_pinned(tok):
     text = tok.apply_chat_template(HISTORY, tools=TOOLS)
     tools_json = json.dumps(TOOLS[0], ensure_ascii=False)
