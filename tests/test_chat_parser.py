@@ -51,6 +51,10 @@ CASES = {
     "malformed": H.format("get_weather") + "garbage" + NEXT + H.format("get_weather")
                  + param("city", "Rome") + "<|call|>",
     "unknown": H.format("launch_missiles") + param("x", "1") + "<|call|>",
+    "every_type": H.format("typed") + "\n".join([
+        param("i", "42"), param("f", "2.5"), param("b", "True"), param("z", "null"),
+        param("o", '{"k": [1, 2]}'), param("a", "[1, \"x\"]"), param("s", "007"),
+        param("u", "12"), param("opt", "null"), param("undeclared", "5")]) + "<|call|>",
 }
 
 
@@ -70,10 +74,7 @@ def test_one_and_several_tool_calls():
 
 
 def test_arguments_of_every_json_type():
-    body = "\n".join([param("i", "42"), param("f", "2.5"), param("b", "True"), param("z", "null"),
-                      param("o", '{"k": [1, 2]}'), param("a", "[1, \"x\"]"), param("s", "007"),
-                      param("u", "12"), param("opt", "null"), param("undeclared", "5")])
-    args = parse_text(H.format("typed") + body + "<|call|>", TOOLS)["tool_calls"][0].arguments
+    args = parse_text(CASES["every_type"], TOOLS)["tool_calls"][0].arguments
     assert args == {"i": 42, "f": 2.5, "b": True, "z": None, "o": {"k": [1, 2]}, "a": [1, "x"],
                     "s": "007", "u": 12, "opt": None, "undeclared": "5"}
     assert json.loads(json.dumps(args)) == args
