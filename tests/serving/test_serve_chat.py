@@ -193,13 +193,22 @@ def _greedy(c, **kw):
 
 
 def test_sampling_parameters_change_the_output(graph, engine_dir):
-    """logit_bias, the three penalties, min_p and top_logprobs through the served graph (their
-    formulas: tests/test_chat_sampling.py, on the sampler)."""
+    """logit_bias, the three penalties, min_p and top_logprobs (streamed as whole) through the
+    served graph (their formulas: tests/test_chat_sampling.py, on the sampler)."""
     c = client(graph)
     plain, plain_tokens = _greedy(c)
     for lp in plain.logprobs.content:  # top 3 of the model's distribution, the chosen among them
         tops = [t.logprob for t in lp.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and lp.logprob <= tops[0]
+    stream = c.chat.completions.create(model="beam", messages=ASK, max_tokens=24, temperature=0,
+                                       logprobs=True, top_logprobs=3, stream=True,
+                                       extra_body={**NO_THINK, "ignore_eos": True})
+    streamed = [lp for x in stream if x.choices and x.choices[0].logprobs
+                for lp in x.choices[0].logprobs.content]
+    assert [(lp.token, round(lp.logprob, 5), [t.token for t in lp.top_logprobs])
+            for lp in streamed] == [(lp.token, round(lp.logprob, 5),
+                                     [t.token for t in lp.top_logprobs])
+                                    for lp in plain.logprobs.content]
     (a,) = TextTokenizer(engine_dir).encode("a")
     biased, _ = _greedy(c, logit_bias={str(a): 100})
     answer = [lp for lp in biased.logprobs.content if lp.token == "a"]
