@@ -32,13 +32,14 @@ class Stream(Protocol):
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
         self.tok = tokenizer
-        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        tail = list(prompt_ids[-_CONTEXT_TOKENS:])  # context for the first tokens, not text
         make_stream = getattr(tokenizer, "decode_stream", None)
         self.stream: Stream | None = make_stream() if make_stream is not None else None
-        if self.stream is not None and self.ids:  # the prompt's tail as context, not text
-            self.stream.step(self.ids)
+        if self.stream is not None:
+            if tail:
+                self.stream.step(tail)
+        else:  # the two windows: [prefix_offset, read_offset) decoded, then to the end
+            self.ids, self.prefix_offset, self.read_offset = tail, 0, len(tail)
         self.stop = tuple(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""      # everything decoded so far (cut at a matched stop string)
