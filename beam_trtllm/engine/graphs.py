@@ -108,7 +108,7 @@ class DecodeGraphs:
         if self.stage is None:
             self.stage = Staging(self.buf, self.device)
             self.table = HostTable(self.stage.host["block_table"])
-        stage, bs, ring, q = self.stage, self.block_size, self.window, self.q
+        stage, q = self.stage, self.q
         n = (b or self.max_batch) * q
         stage.wait()
         h = stage.np
@@ -119,8 +119,13 @@ class DecodeGraphs:
         h["slot_sliding"][:n] = -1
         if q == 1 and all(c.n == 1 for c in chunks):  # plain decode: one list a buffer
             self._fill_decode(chunks, h)
-            stage.copy(n)
-            return
+        else:
+            self._fill_rows(chunks, h)
+        stage.copy(n)
+
+    def _fill_rows(self, chunks: list[Chunk], h: dict) -> None:
+        """`_fill`'s rows, a sequence's q rows at a time (verify steps, padded sequences)."""
+        bs, ring, q = self.block_size, self.window, self.q
         for i, c in enumerate(chunks):
             req, p, tokens = c.request, c.start, c.token_ids
             lo, m = i * q, len(tokens)  # rows past m pad the sequence: they write nothing
@@ -133,7 +138,6 @@ class DecodeGraphs:
             h["slot_full"][lo:lo + m] = [blocks[x // bs] * bs + x % bs for x in range(p, p + m)]
             h["slot_sliding"][lo:lo + m] = [req.ring_row * ring + x % ring for x in range(p, p + m)]
             self.table.set(lo, req, q)  # a sequence's rows share its table
-        stage.copy(n)
 
     def _fill_decode(self, chunks: list[Chunk], h: dict) -> None:
         """`_fill`'s rows for one token a sequence, each buffer written once from a list (the

@@ -183,10 +183,14 @@ def test_json_object_and_schema_and_reasoning_stream_as_they_answer(graph):
         assert _streamed(c, **body) == (reasoning, whole.message.content)
 
 
-def _greedy(c, **kw):
+def _greedy_body(**kw) -> dict:
     extra = {**NO_THINK, "ignore_eos": True, **kw.pop("extra_body", {})}
-    r = c.chat.completions.create(model="beam", messages=ASK, max_tokens=24, temperature=0,
-                                  logprobs=True, top_logprobs=3, extra_body=extra, **kw)
+    return dict(model="beam", messages=ASK, max_tokens=24, temperature=0, logprobs=True,
+                top_logprobs=3, extra_body=extra, **kw)
+
+
+def _greedy(c, **kw):
+    r = c.chat.completions.create(**_greedy_body(**kw))
     (ch,) = r.choices
     assert len(ch.logprobs.content) == r.usage.completion_tokens == 24  # the first one too
     return ch, [lp.token for lp in ch.logprobs.content]
@@ -200,15 +204,13 @@ def test_sampling_parameters_change_the_output(graph, engine_dir):
     for lp in plain.logprobs.content:  # top 3 of the model's distribution, the chosen among them
         tops = [t.logprob for t in lp.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and lp.logprob <= tops[0]
-    stream = c.chat.completions.create(model="beam", messages=ASK, max_tokens=24, temperature=0,
-                                       logprobs=True, top_logprobs=3, stream=True,
-                                       extra_body={**NO_THINK, "ignore_eos": True})
+    stream = c.chat.completions.create(stream=True, **_greedy_body())
     streamed = [lp for x in stream if x.choices and x.choices[0].logprobs
                 for lp in x.choices[0].logprobs.content]
-    assert [(lp.token, round(lp.logprob, 5), [t.token for t in lp.top_logprobs])
-            for lp in streamed] == [(lp.token, round(lp.logprob, 5),
-                                     [t.token for t in lp.top_logprobs])
-                                    for lp in plain.logprobs.content]
+
+    def seen(lps):
+        return [(lp.token, round(lp.logprob, 5), [t.token for t in lp.top_logprobs]) for lp in lps]
+    assert seen(streamed) == seen(plain.logprobs.content)
     (a,) = TextTokenizer(engine_dir).encode("a")
     biased, _ = _greedy(c, logit_bias={str(a): 100})
     answer = [lp for lp in biased.logprobs.content if lp.token == "a"]
