@@ -1,4 +1,4 @@
-"""What the kernel benchmarks share (bench/kernels.py, kernels_moe.py, kernels_sweep.py,
+"""What the kernel benchmarks share (bench/kernels_bench.py, kernels_moe.py, kernels_sweep.py,
 decode_sweep.py): the device and --smoke switch, the timers, the ceilings measured in the same
 run, the table of rows, and the description of the machine and code that every result carries.
 

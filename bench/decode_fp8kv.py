@@ -16,7 +16,7 @@ case also the grid as it was before whole waves ("no fit": DECODE_CONFIG "wave_f
 at 3 an SM). Times:
 medians of CUDA-graph replays of the decode launcher (as the engine runs decode, launched as
 in its decode chain); rate: K+V bytes read / time, against the copy ceiling (bytes read +
-written, as bench/kernels.py). FP8 rows also give their time over the BF16 row's and their
+written, as bench/kernels_bench.py). FP8 rows also give their time over the BF16 row's and their
 output's rel. error against the old FP8 kernel's (up to 256K tokens a batch also against the
 reference op). Then a full-layer prefill chunk (2048 tokens on 32K cached) per setting,
 against the BF16 GEMM rate. Targets (issue 34): FP8 at B=1 128K >= 85% of copy and <= 0.6x
@@ -37,7 +37,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import _common as bc  # noqa: E402  (timers, ceilings, the --smoke switch, provenance)
-import kernels as kb  # noqa: E402  (bench/kernels.py: the decode case bench/kernels.py times)
+import kernels_bench as kb  # noqa: E402  (the decode case kernels_bench.py times)
 import plugins  # noqa: E402,F401  (registers torch.ops.beam.*)
 from beam_trtllm.config import preset  # noqa: E402
 from plugins import _attention_prefill  # noqa: E402
@@ -80,7 +80,7 @@ def variants(name: str) -> dict[str, tuple[torch.dtype, dict]]:
 
 
 def decode_args(cfg, batch: int, context: int, sliding: bool, kv_dtype) -> dict:
-    """launch_decode's arguments: bench/kernels.py's decode case (random block tables over a
+    """launch_decode's arguments: bench/kernels_bench.py's decode case (random block tables over a
     shuffled pool, or one ring row a sequence), without cu_seqlens_q."""
     window = cfg.sliding_window if sliding else 0
     case = kb.paged_decode_case(cfg, batch, context, 64, kv_dtype, window)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "plugins"))
 
 import _common as bc  # noqa: E402
-import kernels as kb  # noqa: E402
+import kernels_bench as kb  # noqa: E402
 from _linear_testdata import linear_args  # noqa: E402
 import kernels_sweep  # noqa: E402
 from kernels_sweep import patched  # noqa: E402

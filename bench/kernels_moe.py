@@ -4,7 +4,7 @@
         [--sweep fp8:1,nvfp4:1,fp8:16384] [--no-eager] [--no-linear]
     TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/kernels_moe.py --smoke   # CPU, seconds
 
-bench/kernels.py adds these rows to its table through `run(ctx)`; run alone, this script
+bench/kernels_bench.py adds these rows to its table through `run(ctx)`; run alone, this script
 measures the same ceilings (bench/_common.py) and prints the same table. About 2 minutes on an
 H200 for fp8 and nvfp4 without --no-eager; each --sweep case adds 1-2 minutes.
 
@@ -274,7 +274,7 @@ def sweep(ctx, fmt: str, t: int) -> list[tuple]:
 
 
 def run(ctx, sweep_cases=()) -> dict:
-    """Entry point for bench/kernels.py (ctx: cfg, ceilings, time_us, time_graph_us, add_row,
+    """Entry point for bench/kernels_bench.py (ctx: cfg, ceilings, time_us, time_graph_us, add_row,
     rel_err; optional eager, formats, tokens, linear)."""
     out = {"moe": [], "sweep": [], "failed": []}
     tokens = tuple(getattr(ctx, "tokens", None)

@@ -9,7 +9,7 @@ the norms, decode attention and the batch-1 router; cuBLAS BF16 for prefill atte
 for the 16K-token router). The chosen defaults live next to the kernels (ROW_CONFIG,
 DECODE_CONFIG, PREFILL_CONFIG, ROUTER_CONFIG): rerun this when a kernel or the GPU changes.
 Decode is timed as CUDA-graph replays (as the engine runs it); the rest with do_bench. About
-5 minutes on an H200 for every sweep; --table then reruns bench/kernels.py with the best rows.
+5 minutes on an H200 for every sweep; --table then reruns bench/kernels_bench.py with the best rows.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as bc  # noqa: E402  (timers, ceilings, the --smoke switch)
-import kernels as kb  # noqa: E402  (bench/kernels.py: the decode cases and the table)
+import kernels_bench as kb  # noqa: E402  (bench/kernels_bench.py: the decode cases and the table)
 from plugins import _attention_decode, _attention_prefill, group_router, rmsnorm  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -197,7 +197,8 @@ def main(argv=None) -> int:
                         help="comma list of: rows,decode,fp8,prefill,router")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, no timing")
     parser.add_argument("--table", default="",
-                        help="then run bench/kernels.py --only TABLE with the best row config")
+                        help="then run bench/kernels_bench.py --only TABLE with the best row "
+                             "config")
     opts = parser.parse_args(argv)
     bc.configure(opts.smoke)
     if opts.smoke:

@@ -29,7 +29,7 @@ A warm-up request of two chunks runs first (kernel compilation). Time on an H200
 minutes: 1-2 to write the checkpoint and build (about 14 GB each for sD,fM under --work-dir,
 removed at the end; the build's kernel search is at most 75 s), about 1 for the 1M prefill,
 whose causal attention is 4 * 2^40 / 2 * 48 * 128 = 1.35e16 FLOPs per full layer: 23 s at
-SDPA's ~580 TFLOP/s, 32 s at the 426 TFLOP/s of the engine's prefill kernel (kernels.py,
+SDPA's ~580 TFLOP/s, 32 s at the 426 TFLOP/s of the engine's prefill kernel (kernels_bench.py,
 2026-12-01). Writes long_context.json and long_context.md to --out (default: $OUT if set).
 """
 

@@ -5,8 +5,8 @@ whole-model decode throughput, each against its ceiling measured in the same run
     PYTHONPATH=.:bench python3 bench/suite.py --out DIR --smoke     # CPU: every step, tiny
 
 Steps, each a fresh process (its own CUDA context and memory), in this order:
-- kernels: bench/kernels.py --moe-formats fp8,nvfp4 --no-eager (norms, qk_prep, attention decode and
-  prefill, router, MoE decode against the weight-read floor and prefill against the FP8 /
+- kernels: bench/kernels_bench.py --moe-formats fp8,nvfp4 --no-eager (norms, qk_prep, attention
+  decode and prefill, router, MoE decode against the weight-read floor and prefill against the FP8 /
   BF16 GEMM rate, linear layers), ceilings: copy bandwidth and cuBLAS GEMM rates;
 - fp8_channel: bench/kernels_fp8_channel.py, when that file exists;
 - engine: bench/engine_bench.py --formats fp8,nvfp4 (per-layer batch-1 decode against the
@@ -45,8 +45,8 @@ PEER_MIN_S = 200  # the peer compiles two models: ~2-3 minutes on an H200
 def steps(smoke: bool, peer: bool) -> list[dict]:
     """(name, command, JSON files it writes under its directory) of each step."""
     tiny = ["--smoke"] if smoke else []
-    out = [dict(name="kernels", args=["kernels.py", "--moe-formats", "fp8,nvfp4", "--no-eager",
-                                      *tiny],
+    out = [dict(name="kernels", args=["kernels_bench.py", "--moe-formats", "fp8,nvfp4",
+                                      "--no-eager", *tiny],
                 files=["results.json"], interpret=True)]
     if (BENCH / "kernels_fp8_channel.py").exists():
         out.append(dict(name="fp8_channel", args=["kernels_fp8_channel.py", *tiny], files=None,

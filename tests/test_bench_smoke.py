@@ -1,7 +1,7 @@
 """Every benchmark in bench/ still runs: each file that is not a helper (helpers start with
 "_") answers --help with what it measures, and runs in --smoke mode on the CPU (Triton's
 interpreter where kernels are involved, tiny shapes) as the GPU run would, through the same
-code. bench/suite.py --smoke runs kernels.py, kernels_fp8_channel.py and engine_bench.py
+code. bench/suite.py --smoke runs kernels_bench.py, kernels_fp8_channel.py and engine_bench.py
 (and its --peer) the way the H200 run does; bench/compare.py then reads its suite.json.
 
 The commands run as subprocesses, three at a time, started once for the module; the --help
@@ -9,6 +9,7 @@ of every benchmark runs in one of them (runpy, one import of torch for all)."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ BENCH = ROOT / "bench"
 BENCHMARKS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 # --smoke runs not already made by the suite, trimmed to what keeps the file near a minute
 SMOKE = {
-    # the suite's kernels.py step runs moe_fp8 / moe_nvfp4 and the linear rows
+    # the suite's kernels_bench.py step runs moe_fp8 / moe_nvfp4 and the linear rows
     "kernels_moe.py": ["--smoke", "--formats", "fp8_block,bf16", "--tokens", "1", "--no-linear",
                        "--sweep", "fp8:1"],
     "kernels_sweep.py": ["--smoke", "--only", "router"],
@@ -44,7 +45,8 @@ SMOKE = {
 }
 INTERPRETED = {"kernels_moe.py", "kernels_sweep.py", "decode_sweep.py", "autotune_bench.py",
                "decode_fp8kv.py"}
-IN_SUITE = {"suite.py", "kernels.py", "kernels_fp8_channel.py", "engine_bench.py", "compare.py"}
+IN_SUITE = {"suite.py", "kernels_bench.py", "kernels_fp8_channel.py", "engine_bench.py",
+            "compare.py"}
 # Help text must say what a benchmark measures against which ceiling and how long it takes.
 HELP_WORDS = ("ceiling", "floor", "against")
 
@@ -107,6 +109,16 @@ def runs(tmp_path_factory) -> dict:
 def _ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stdout[-3000:]}\n" \
                                    f"{result.stderr[-3000:]}"
+
+
+def test_no_bench_module_shadows_an_installed_module():
+    """bench/ is sys.path[0] when a benchmark runs, so a bench/NAME.py hides an installed NAME:
+    bench/kernels.py hid Hugging Face's `kernels`, which transformers 5.25 imports."""
+    outside = [p for p in sys.path if p and Path(p).resolve() != BENCH]
+    stems = sorted(p.stem for p in BENCH.glob("*.py"))
+    shadowed = {s: spec.origin for s in stems
+                if (spec := importlib.machinery.PathFinder.find_spec(s, outside)) is not None}
+    assert not shadowed, f"bench/ modules named like installed ones: {shadowed}"
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """Speed of the beam:: kernels at Beam-1.0 shapes on one GPU, each against a ceiling measured
 in the same run (bench/_common.py: device copy bandwidth, cuBLAS BF16 / FP8 / FP32 GEMM rates).
 
-    PYTHONPATH=. python3 bench/kernels.py [--out DIR] [--only norms,qk_prep,decode,prefill,router,moe]
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/kernels.py --smoke      # CPU, seconds
+    PYTHONPATH=. python3 bench/kernels_bench.py [--out DIR]
+        [--only norms,qk_prep,decode,prefill,router,moe]
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/kernels_bench.py --smoke      # CPU, seconds
 
 Rows: rmsnorm / add_rmsnorm and qk_prep (GB/s against copy), attention decode at 128K and
 batched (GB/s of K/V against copy) and prefill at 16K (TFLOP/s against BF16), group_router
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     configure(opts.smoke)
     if not opts.smoke and not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        print("bench/kernels_bench.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
     name = opts.preset or ("tiny" if smoke() else "beam-1.0-501b")
     cfg, t0, env = preset(name), time.time(), environment()
