@@ -179,11 +179,16 @@ def build_cmd(ckpt_dir, engine_dir, target, max_batch, max_seq_len, max_num_toke
 @click.option("--draft-tokens", default=None, type=int, help="Drafts verified per step.")
 @click.option("--adaptive", is_flag=True, help="Adaptive verification: verify only the drafts "
               "the acceptance estimator and the step costs say are worth it.")
+@click.option("--batch-invariant", is_flag=True, help="Every decode and verify step at one "
+              "shape, never beside a prompt (single-GPU engine dirs; docs/ENGINE.md "
+              "\"Batch-invariant mode\").")
 def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                 device, speculative, draft_tokens, adaptive):
+                 device, speculative, draft_tokens, adaptive, batch_invariant):
     """Generate text, streaming: with the engine for an engine dir (from `beam-trt build`; a
     parallel one starts its ranks), with transformers' BeamForCausalLM (FP32, CPU) for an
     unquantized checkpoint dir."""
+    if batch_invariant and not (model_dir / "engine.json").is_file():
+        raise BeamCLIError("--batch-invariant needs a single-GPU engine dir (engine.json)")
     if (model_dir / "parallel.json").is_file():
         _generate_parallel(model_dir, prompt, chat, device, max_new_tokens, temperature, top_k,
                            top_p, seed, stop)
@@ -194,7 +199,7 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, to
 
             spec = SpecConfig(tokens=draft_tokens, adaptive=adaptive)
         _generate_engine(model_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed,
-                         stop, spec)
+                         stop, spec, batch_invariant)
     else:
         if stop:
             raise BeamCLIError("--stop needs an engine dir (the transformers path has no stop "
@@ -203,12 +208,13 @@ def generate_cmd(model_dir, prompt, chat, max_new_tokens, temperature, top_k, to
 
 
 def _generate_engine(engine_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed,
-                     stop, speculative=None):
+                     stop, speculative=None, batch_invariant=False):
     from .engine.engine import Engine
     from .engine.types import EngineError, SamplingParams
 
     try:
-        engine = Engine.from_dir(engine_dir, speculative=speculative)
+        engine = Engine.from_dir(engine_dir, speculative=speculative,
+                                 batch_invariant=batch_invariant)
         text = (engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
                 if chat else prompt)
         ids = engine.tokenizer.encode(text)

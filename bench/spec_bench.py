@@ -17,7 +17,12 @@ same CUDA-graph decode step), the verify cost against a decode step of the same 
 About 3 minutes on an H200 (build, three engine loads with the drafter's torch.compile, 100
 prompts x 64 tokens three times, the speed runs); --smoke: about 30 s on a 2-core CPU.
 
-    python bench/spec_bench.py --out OUT [--device cuda] [--full-width] [--smoke]
+    python bench/spec_bench.py --out OUT [--device cuda] [--full-width] [--batch-invariant]
+        [--smoke]
+
+--batch-invariant adds the lossless check in the engine's batch-invariant mode (every decode
+and verify step at one shape, docs/ENGINE.md): its drafts-on engines against its drafts-off
+one, and its drafts-off engine against the default one.
 """
 
 from __future__ import annotations
@@ -105,6 +110,36 @@ def run(engine, prompts, max_tokens: int, batch: int) -> tuple[list[list[int]], 
     return outs, tokens / total, decode_tokens / decode_s if decode_s else float("nan")
 
 
+def lossless(engine, ref: list[list[int]], prompts, max_tokens: int, name: str) -> dict:
+    """How many of `prompts` the engine answers (greedy, 8 at a time) with the tokens `ref`."""
+    got, _, _ = run(engine, prompts, max_tokens, 8)
+    same = sum(a == b for a, b in zip(ref, got))
+    first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+             for a, b in zip(ref, got)]
+    log(f"lossless {name}: {same}/{len(prompts)} prompts identical")
+    return {"identical": same, "of": len(prompts),
+            "first_divergence": [f for f in first if f is not None][:10]}
+
+
+def invariant_lossless(path: Path, args, prompts, ref) -> dict:
+    """The same check in the engine's batch-invariant mode (docs/ENGINE.md), against its own
+    drafts-off engine; and that engine against the default one (`ref`)."""
+    from beam_trtllm.engine.engine import Engine
+    from beam_trtllm.engine.speculative import SpecConfig
+
+    modes = {"off": False, "fixed": SpecConfig(compile=False),
+             "adaptive": SpecConfig(adaptive=True, compile=False)}
+    engines = {m: Engine.from_dir(path, device=args.device, speculative=s, batch_invariant=True)
+               for m, s in modes.items()}
+    inv_ref, _, _ = run(engines["off"], prompts, args.max_tokens, 8)
+    out = {"invariant off vs default off": lossless(engines["off"], ref, prompts,
+                                                    args.max_tokens, "invariant off vs default")}
+    for m in ("fixed", "adaptive"):
+        out[f"invariant {m}"] = lossless(engines[m], inv_ref, prompts, args.max_tokens,
+                                         f"invariant {m}")
+    return out
+
+
 def tiny_part(args, work: Path) -> dict:
     from beam_trtllm.engine.engine import Engine
     from beam_trtllm.engine.speculative import SpecConfig
@@ -116,13 +151,9 @@ def tiny_part(args, work: Path) -> dict:
     res = {"prompts": len(prompts), "max_tokens": args.max_tokens, "lossless": {}, "speed": []}
     ref, _, _ = run(engines["off"], prompts, args.max_tokens, 8)
     for m in ("fixed", "adaptive"):
-        got, _, _ = run(engines[m], prompts, args.max_tokens, 8)
-        same = sum(a == b for a, b in zip(ref, got))
-        first = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                 for a, b in zip(ref, got)]
-        res["lossless"][m] = {"identical": same, "of": len(prompts),
-                              "first_divergence": [f for f in first if f is not None][:10]}
-        log(f"lossless {m}: {same}/{len(prompts)} prompts identical")
+        res["lossless"][m] = lossless(engines[m], ref, prompts, args.max_tokens, m)
+    if args.batch_invariant:
+        res["lossless"] |= invariant_lossless(path, args, prompts, ref)
     for batch in args.batches:
         sub = (prompts * ((batch + len(prompts) - 1) // len(prompts)))[:max(batch, args.speed_prompts)]
         for m, eng in engines.items():
@@ -224,6 +255,8 @@ def parse_args(argv=None):
     p.add_argument("--no-tiny", action="store_true")
     p.add_argument("--draft", type=int, default=7, help="draft tokens of the full-width verify step")
     p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="also the lossless check in the engine's batch-invariant mode")
     p.add_argument("--smoke", action="store_true", help="a few prompts and tokens (CPU tests)")
     args = p.parse_args(argv)
     if args.smoke:

@@ -106,6 +106,8 @@ def worker_argv(graph: Graph, spec: WorkerSpec, run_dir: Path | None, index: int
                  "--offload-disk-dir", str(Path(disk) / f"{spec.name}-{index}")]
     if graph.speculative is not None:
         argv += ["--speculative", json.dumps(graph.speculative)]
+    if graph.batch_invariant:
+        argv += ["--batch-invariant"]
     if run_dir is not None:
         argv += ["--status-file", str(run_dir / "status" / f"{spec.name}-{index}.json")]
     return argv

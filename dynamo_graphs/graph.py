@@ -116,6 +116,9 @@ class Graph:
     # speculative decoding (docs/SPECULATIVE.md): None = as the engine dir says (on when it
     # has a drafter), False = off, or {draft, tokens, adaptive}
     speculative: Any = None
+    # every decode/verify step at one shape, never beside a prefill chunk (docs/ENGINE.md
+    # "Batch-invariant mode")
+    batch_invariant: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -216,6 +219,7 @@ def parse_graph(raw: Any, path: Path, engine_dir: str | Path | None = None) -> G
         restarts=_restarts(top.sub("restarts")),
         k8s=_k8s(top.sub("k8s")),
         speculative=_speculative(top, base, where),
+        batch_invariant=top.get("batch_invariant", bool, False),
     )
     top.done()
     _check_roles(graph, where)

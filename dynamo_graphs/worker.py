@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--status-file", type=Path, default=None)
     p.add_argument("--speculative", default=None, help="the graph's speculative block as JSON "
                    "(false: drafts off; absent: on when the engine dir has a drafter)")
+    p.add_argument("--batch-invariant", action="store_true", help="every decode and verify "
+                   "step at one shape, never beside a prefill chunk (docs/ENGINE.md)")
     return p.parse_args(argv)
 
 
@@ -101,7 +103,8 @@ class BeamWorker(LLMEngine):
         t0 = time.monotonic()
         # a parallel engine dir: this worker is rank 0 of its TP/EP group and starts the others
         self.engine = await asyncio.to_thread(open_engine, self.args.engine_dir,
-                                              self.args.device, _speculative(self.args))
+                                              self.args.device, _speculative(self.args),
+                                              self.args.batch_invariant)
         # The first forward pays one-time costs (op registration, allocator, torch.compile
         # wrappers): pay them here, not in the first user's TTFT. 3 tokens fill no block, so
         # the warm-up leaves no cached KV and emits no KV events.

@@ -41,7 +41,7 @@ SMOKE = {
     "serve_bench.py": ["--smoke"],
     "agreement.py": ["--smoke"],
     "quant_quality.py": ["--smoke"],
-    "spec_bench.py": ["--smoke"],
+    "spec_bench.py": ["--smoke", "--batch-invariant"],
 }
 INTERPRETED = {"kernels_moe.py", "kernels_sweep.py", "decode_sweep.py", "autotune_bench.py",
                "decode_fp8kv.py"}

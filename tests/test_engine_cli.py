@@ -32,6 +32,14 @@ def test_build_then_generate_streams_the_engines_text(tiny_dir, tmp_path):
                                                   "Write a function that adds two numbers."}])
     want = engine.generate([text], SamplingParams(max_tokens=12))[0]["text"]
     assert res.stdout == text + want + "\n"
+    res = runner.invoke(main, ["generate", str(out_dir), "--max-new-tokens", "6",
+                               "--prompt", "def add(", "--batch-invariant"])
+    assert res.exit_code == 0, res.output
+    engine = Engine.from_dir(out_dir, device="cpu", batch_invariant=True)
+    want = engine.generate([engine.tokenizer.encode("def add(")], SamplingParams(max_tokens=6))
+    assert res.stdout == "def add(" + want[0]["text"] + "\n"
+    res = runner.invoke(main, ["generate", str(tiny_dir), "--prompt", "hi", "--batch-invariant"])
+    assert res.exit_code == 1 and "--batch-invariant needs a single-GPU engine dir" in res.output
 
 
 def test_cli_errors_are_one_line_without_traceback(tiny_dir, tmp_path):

@@ -235,3 +235,56 @@ def test_disaggregated_handoff_carries_the_drafters_context(spec_engine_dir, eng
     assert decode.spec.stats["spec_accepted_tokens"] > 0
     assert_all_free(prefill)
     assert_all_free(decode)
+
+
+def record_steps(eng) -> list[list]:
+    """[chunk kinds, rows] of each target forward (kinds: "decode" for decode and verify chunks,
+    "prefill"); rows: the forward's token rows, padding included."""
+    steps, forward, model_forward = [], eng._forward, eng.model.forward
+
+    def on_forward(chunks, input_ids=None):
+        steps.append([{"decode" if c.n == 1 + len(c.drafts) and c.start >= c.request.full_cached
+                       else "prefill" for c in chunks}, None])
+        return forward(chunks, input_ids)
+
+    def on_model_forward(s, *args, **kw):
+        if steps and steps[-1][1] is None:
+            steps[-1][1] = int(s.input_ids.shape[0])
+        return model_forward(s, *args, **kw)
+    eng._forward, eng.model.forward = on_forward, on_model_forward
+    return steps
+
+
+def test_batch_invariant_steps_run_one_shape_and_stay_lossless(spec_fp32_engine_dir):
+    """Batch-invariant mode, ragged arrivals and a chunked prompt (FP32 engine, as above): every
+    decode and verify step runs max_batch x (1 + the drafter's draft tokens) rows with or
+    without drafts, none shares a step with a prefill chunk, and drafts on give the drafts-off
+    tokens. The default mode mixes the two kinds in this plan, and its tokens are the same."""
+    base = Engine.from_dir(spec_fp32_engine_dir, device="cpu", speculative=False)
+    prompts = chat_prompts(base, 4, seed=11)
+    plan = {0: [("a", prompts[0] * 2, greedy(24)), ("b", prompts[1], greedy(20))],
+            2: [("c", prompts[2], greedy(20))], 5: [("d", prompts[3], greedy(16))]}
+    out, steps = {}, {}
+    for mode, spec, inv in (("default", False, False), ("off", False, True),
+                            ("on", SpecConfig(), True)):
+        eng = base if mode == "default" else Engine.from_dir(
+            spec_fp32_engine_dir, device="cpu", speculative=spec, batch_invariant=inv)
+        steps[mode] = record_steps(eng)
+        out[mode] = drive(eng, plan)
+        assert_all_free(eng)
+    assert any(len(kinds) == 2 for kinds, _ in steps["default"])
+    rows = OPTS["max_batch"] * (1 + eng.spec.num_tokens)
+    for mode in ("off", "on"):
+        assert all(len(kinds) == 1 for kinds, _ in steps[mode]), mode
+        assert {r for kinds, r in steps[mode] if kinds == {"decode"}} == {rows}, mode
+        assert any(kinds == {"prefill"} for kinds, _ in steps[mode])
+    for rid in "abcd":
+        assert out["on"][rid]["tokens"] == out["off"][rid]["tokens"] == \
+            out["default"][rid]["tokens"], rid
+
+
+def test_batch_invariant_rows_must_hold_every_verify_row(spec_engine_dir):
+    """An explicit row count below max_batch x (1 + drafts) is refused, naming both."""
+    with pytest.raises(EngineError, match=r"batch_invariant=16 rows: max_batch 8 x \(1 \+ 7 "
+                                          r"drafts\) = 64 rows do not fit"):
+        Engine.from_dir(spec_engine_dir, device="cpu", batch_invariant=16)

@@ -51,6 +51,15 @@ def test_the_speculative_block_reaches_every_worker(tmp_path):
                                                    0)[2:])] * 2))["--speculative"]) is False
 
 
+def test_batch_invariant_reaches_every_worker(tmp_path):
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "batch_invariant": True}))
+    graph = load_graph(path)
+    assert "--batch-invariant" in worker_argv(graph, graph.workers[0], tmp_path, 0)
+    path.write_text(yaml.safe_dump(BASE))
+    assert "--batch-invariant" not in worker_argv(load_graph(path), graph.workers[0], tmp_path, 0)
+
+
 BASE = {"name": "g", "engine_dir": "e", "workers": [{"role": "agg"}]}
 
 
@@ -78,6 +87,7 @@ BASE = {"name": "g", "engine_dir": "e", "workers": [{"role": "agg"}]}
     ({"speculative": {"token": 4}}, "speculative has an unknown field 'token'"),
     ({"speculative": {"adaptive": "yes"}}, "speculative.adaptive must be true or false"),
     ({"speculative": 3}, "speculative must be a mapping, true or false"),
+    ({"batch_invariant": "yes"}, "batch_invariant must be bool"),
 ])
 def test_bad_fields_are_named(tmp_path, edit, message):
     path = tmp_path / "g.yaml"

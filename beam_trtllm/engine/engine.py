@@ -47,8 +47,12 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
                  options: BuildOptions, kv_plan: KVPlan, device: torch.device | str = "cpu",
                  tokenizer=None, eos_token_ids: Sequence[int] = (), use_cuda_graphs: bool = True,
                  parallel=None, drafter=None, spec: "SpecConfig | None" = None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, batch_invariant: bool | int = False):
         self.cfg, self.options, self.kv_plan = cfg, options, kv_plan
+        if batch_invariant and parallel is not None:
+            raise EngineError("batch_invariant runs on single-GPU engines; this is a rank of a "
+                              "parallel engine (its collectives run eagerly, at the step's shape)")
+        self.batch_invariant = batch_invariant
         self.parallel = parallel  # a rank of a parallel engine (parallel/rank.py), or None
         kv_cfg = cfg if parallel is None else parallel.mapping.local_config(cfg)  # its KV heads
         self.device = torch.device(device)
@@ -65,7 +69,8 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
         self.blocks = BlockManager(kv_plan.num_blocks, kv_plan.block_size,
                                    self.kv.read_block, self.kv.write_block)
         self.scheduler = Scheduler(self.blocks, self.kv, options.max_batch, options.max_num_tokens,
-                                   len(cfg.sliding_layers), cfg.sliding_window)
+                                   len(cfg.sliding_layers), cfg.sliding_window,
+                                   separate_prefill=batch_invariant)
         self.model = BeamModel(cfg, weights, layer_plan, self.kv, parallel)
         self.requests: dict[str, Request] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(0)
@@ -82,19 +87,7 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
                                     spec.compile)
         self.capture = self.spec.layers if self.spec is not None else ()
         self.graphs = self.verify_graphs = None
-        if self.device.type == "cuda" and use_cuda_graphs and options.cuda_graph_batch_sizes \
-                and parallel is None:  # a rank's collectives run eagerly
-            from .graphs import DecodeGraphs
-
-            after = self.spec.in_graph if self.spec is not None else None
-            self.graphs = DecodeGraphs(self.model, options, kv_plan, cfg, self.device,
-                                       capture_layers=self.capture, ring_len=self.kv.ring_len,
-                                       after=after)
-            if self.spec is not None:  # verify steps: 1 + n tokens per sequence, by n
-                self.verify_graphs = {n: DecodeGraphs(
-                    self.model, options, kv_plan, cfg, self.device, capture_layers=self.capture,
-                    ring_len=self.kv.ring_len, tokens_per_seq=1 + n, after=after)
-                    for n in self.spec.verify_counts}
+        self._init_graphs(use_cuda_graphs)
         self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "restored_tokens": 0, "preemptions": 0}
         self._init_overlap(overlap)  # decode steps launched ahead (overlap.py)
@@ -104,14 +97,16 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
                  verify: bool = True, use_cuda_graphs: bool = True, autotune: str | None = None,
                  progress: Callable[[str], None] | None = None,
                  speculative: "SpecConfig | bool | None" = None,
-                 overlap: bool | None = None) -> "Engine":
+                 overlap: bool | None = None, batch_invariant: bool | int = False) -> "Engine":
         """Load an engine dir; refuses a corrupt or mismatched one (see engine_dir.py). On CUDA
         the engine's tuned launch shapes are installed first (or searched, if the build left
         that to the first load; `autotune` auto | quick | off, see tuned_kernels.py), so the
         CUDA graphs capture them. `progress` gets one line per step (default: stderr).
         `speculative`: None = on if the dir has a drafter (`build --draft`), False = off, or a
         SpecConfig (speculative.py). `overlap`: launch decode steps ahead (overlap.py; None =
-        on CUDA)."""
+        on CUDA). `batch_invariant`: every decode and verify step at one shape, never beside a
+        prefill chunk (docs/ENGINE.md "Batch-invariant mode"): True = max_batch x (1 + the
+        dir's drafter's draft tokens) rows, drafts on or off; an int = that many rows."""
         from ..tokenizer import TextTokenizer
 
         device = torch.device(device) if device is not None else default_device()
@@ -137,8 +132,10 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
             drafter = DFlash2Drafter.from_dir(
                 find_draft_dir(spec.path, sc), spec.cfg, weights["model.embed_tokens.weight"],
                 weights["lm_head.weight"], device, weights["model.embed_tokens.weight"].dtype)
+        if batch_invariant is True:  # the same rows in the dir's engines with and without drafts
+            batch_invariant = spec.options.max_batch * (1 + _dir_draft_tokens(spec.path, sc))
         return cls(spec.cfg, weights, spec.layer_plan, spec.options, spec.kv, device, tokenizer,
-                   eos_ids, use_cuda_graphs, parallel, drafter, sc, overlap)
+                   eos_ids, use_cuda_graphs, parallel, drafter, sc, overlap, batch_invariant)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -196,6 +193,37 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
                 return True
             self._finish(req, "abort")
             return True
+
+    def _init_graphs(self, use_cuda_graphs: bool) -> None:
+        """Decode (and verify) graphs. Batch-invariant: one size, max_batch sequences, every
+        step at the same rows (`from_dir`: those of the dir's most drafts, so engines with and
+        without drafts match), run eagerly where nothing is captured (the CPU)."""
+        options, cuda = self.options, self.device.type == "cuda"
+        captured = cuda and use_cuda_graphs and bool(options.cuda_graph_batch_sizes)
+        if self.parallel is not None or not (captured or self.batch_invariant):
+            return  # a rank's collectives run eagerly
+        from .graphs import DecodeGraphs
+
+        counts = self.spec.verify_counts if self.spec is not None else ()
+        drafts = max(counts, default=0)
+        need = options.max_batch * (1 + drafts)
+        sizes, rows = None, None
+        if self.batch_invariant:
+            sizes = (options.max_batch,)
+            rows = need if self.batch_invariant is True else int(self.batch_invariant)
+            if need > rows:
+                raise EngineError(f"batch_invariant={rows} rows: max_batch {options.max_batch} "
+                                  f"x (1 + {drafts} drafts) = {need} rows do not fit")
+        after = self.spec.in_graph if self.spec is not None else None
+
+        def graphs(q: int):
+            return DecodeGraphs(self.model, options, self.kv_plan, self.cfg, self.device,
+                                capture=cuda and use_cuda_graphs, sizes=sizes,
+                                capture_layers=self.capture, ring_len=self.kv.ring_len,
+                                tokens_per_seq=q, after=after, rows=rows)
+        self.graphs = graphs(1)
+        if self.spec is not None:  # verify steps: 1 + n tokens per sequence, by n
+            self.verify_graphs = {n: graphs(1 + n) for n in counts}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
@@ -346,6 +374,17 @@ def _speculative(spec, choice) -> "SpecConfig | None":
     if not has_draft:
         return None
     return SpecConfig(tokens=spec.options.draft_tokens or None)
+
+
+def _dir_draft_tokens(engine_dir: Path, spec: "SpecConfig | None") -> int:
+    """Draft tokens of the drafter an engine dir's speculative decoding would load (0: none)."""
+    from ..draft.config import DraftConfig
+
+    try:
+        path = find_draft_dir(Path(engine_dir), spec or SpecConfig())
+    except EngineError:  # no drafter: drafts off, one row a sequence
+        return 0
+    return DraftConfig.from_dir(path).num_draft_tokens
 
 
 def _stderr(line: str) -> None:

@@ -17,6 +17,11 @@ draft counts.
 
 With `capture=False` the same buffers and padding run eagerly; the CPU tests use that to
 check the padding rules bit for bit against the unpadded step.
+
+`rows` (the engine's batch-invariant mode): every step, of any batch and any draft count, runs
+exactly that many rows (the rest padding), so every kernel sees one shape and picks one launch
+shape, one split of the attention's keys, one GEMM algorithm: a row's logits then depend on
+that row's inputs alone.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ class DecodeGraphs:
     def __init__(self, model: BeamModel, options: BuildOptions, kv_plan: KVPlan, cfg: BeamConfig,
                  device: torch.device, capture: bool = True, sizes: tuple[int, ...] | None = None,
                  capture_layers: tuple[int, ...] = (), ring_len: int | None = None,
-                 tokens_per_seq: int = 1, after=None):
+                 tokens_per_seq: int = 1, after=None, rows: int | None = None):
         self.model, self.cfg, self.device = model, cfg, device
         self.block_size, self.window = kv_plan.block_size, ring_len or cfg.sliding_window
         self.capture_layers = capture_layers  # a drafter's target layers: their states too
@@ -47,12 +52,15 @@ class DecodeGraphs:
         self.width = cdiv(options.max_seq_len, kv_plan.block_size)
         self.scratch_row = kv_plan.max_seqs
         self.q = q = tokens_per_seq
-        b = self.max_batch
+        if rows is not None and rows < self.max_batch * q:
+            raise ValueError(f"rows={rows} < {self.max_batch} sequences x {q} tokens")
+        self.fixed_rows = rows
 
         def zeros(*shape, dtype=torch.int32):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        n = b * q  # every row is a one-token sequence (a verify chunk's rows too, batch.py)
+        # every row is a one-token sequence (a verify chunk's rows too, batch.py)
+        n = self.rows_of(self.max_batch)
         self.buf = {
             "input_ids": zeros(n, dtype=torch.int64), "positions": zeros(n, dtype=torch.int64),
             "q_start": zeros(n), "hist_sliding": zeros(n), "block_table": zeros(n, self.width),
@@ -76,8 +84,12 @@ class DecodeGraphs:
         self.after(out[1], s.positions, s.slot_full)
         return out[0], None
 
+    def rows_of(self, b: int) -> int:
+        """Rows of a step replaying size b: b sequences x q tokens, or the fixed count."""
+        return self.fixed_rows or b * self.q
+
     def inputs(self, b: int) -> StepInputs:
-        n = b * self.q
+        n = self.rows_of(b)
         v = {k: t[:n] for k, t in self.buf.items()}
         return StepInputs(cu_seqlens=self.cu_seqlens[:n + 1], hist_full=self.hist_full[:n],
                           write_rows=self.empty, write_slots=self.empty, restore_rows=self.empty,
@@ -109,7 +121,7 @@ class DecodeGraphs:
             self.stage = Staging(self.buf, self.device)
             self.table = HostTable(self.stage.host["block_table"])
         stage, q = self.stage, self.q
-        n = (b or self.max_batch) * q
+        n = self.rows_of(b or self.max_batch)
         stage.wait()
         h = stage.np
         for k in ("input_ids", "positions", "q_start", "hist_sliding"):
@@ -156,7 +168,9 @@ class DecodeGraphs:
             self.table.set(i, r)
 
     def replay_padding(self, b: int) -> None:
-        """Replay graph b over padding rows only (they touch no live cache): its cost."""
+        """Replay the graph a step of b sequences replays, over padding rows only (they touch
+        no live cache): its cost."""
+        b = self.size_for(b)
         self._fill([], b)
         self.graphs[b][0].replay()
 

@@ -8,6 +8,10 @@ starts after its longest cached prefix (see `_admit`). When a running request ne
 and none is free, the newest running request is preempted: its KV is dropped (its full
 blocks stay cached, so re-admission usually hits them) and it waits at the head of the queue.
 `add` refuses a request that could never fit, so the oldest request always makes progress.
+
+With `separate_prefill` (the engine's batch-invariant mode) a step is all decode (and verify)
+chunks or all prefill chunks: when both kinds have work the two alternate, so decode rows
+never share a step, and its shapes, with a prompt's rows.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ def cdiv(a: int, b: int) -> int:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, kv: KVCache, max_batch: int, max_num_tokens: int,
-                 num_sliding_layers: int, window: int):
+                 num_sliding_layers: int, window: int, separate_prefill: bool = False):
         self.blocks, self.kv = blocks, kv
+        self.separate_prefill = separate_prefill
+        self._last_kind = "decode"
         self.block_size = blocks.block_size
         self.max_batch, self.max_num_tokens = max_batch, max_num_tokens
         # Positions to recompute to rebuild the sliding layers' window (docs/DESIGN.md §3).
@@ -40,12 +46,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> list[Chunk]:
+        if not self.separate_prefill:
+            return self._schedule(None)
+        decode = any(r.num_uncomputed == 1 for r in self.running)
+        prefill = bool(self.waiting) or any(r.num_uncomputed > 1 for r in self.running)
+        kind = "prefill" if prefill and (not decode or self._last_kind == "decode") else "decode"
+        chunks = self._schedule(kind)
+        if not chunks and kind == "prefill" and decode:  # nothing admissible: decode instead
+            kind, chunks = "decode", self._schedule("decode")
+        self._last_kind = kind
+        return chunks
+
+    def _schedule(self, kind: str | None) -> list[Chunk]:
+        """The step's chunks; kind "decode" / "prefill": only that kind (None: both)."""
         budget = self.max_num_tokens
         chunks: list[Chunk] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if kind is not None and (req.num_uncomputed == 1) != (kind == "decode"):
+                i += 1
+                continue
             n = min(req.num_uncomputed, budget)
             drafts = tuple(req.drafts[:budget - 1]) if req.num_uncomputed == 1 else ()
             if drafts and not self._ensure_blocks(req, req.num_computed + n + len(drafts)):
@@ -61,7 +83,8 @@ class Scheduler:
             chunks.append(Chunk(req, req.num_computed, n, drafts))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_batch:
+        while (kind != "decode" and self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_batch):
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break

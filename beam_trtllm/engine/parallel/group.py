@@ -182,14 +182,19 @@ def _exit_with(parent: int) -> None:
     threading.Thread(target=watch, name="beam-rank-watchdog", daemon=True).start()
 
 
-def open_engine(engine_dir, device: str | None = None, speculative=None):
+def open_engine(engine_dir, device: str | None = None, speculative=None,
+                batch_invariant: bool = False):
     """What a server loads: `Engine.from_dir`, or for a parallel engine dir (parallel.json) a
-    RankGroup that starts its other ranks. `speculative`: see `Engine.from_dir`."""
+    RankGroup that starts its other ranks. `speculative`, `batch_invariant`: see
+    `Engine.from_dir`."""
     if (Path(engine_dir) / "parallel.json").is_file():
-        if speculative:
-            raise EngineError(f"{engine_dir}: speculative decoding runs on single-GPU engines, "
-                              "this is a parallel engine dir")
+        asked = (("speculative decoding", speculative), ("batch_invariant", batch_invariant))
+        for name, on in asked:
+            if on:
+                raise EngineError(f"{engine_dir}: {name} runs on single-GPU engines, this is a "
+                                  "parallel engine dir")
         return RankGroup(engine_dir, device)
     from ..engine import Engine
 
-    return Engine.from_dir(engine_dir, device, speculative=speculative)
+    return Engine.from_dir(engine_dir, device, speculative=speculative,
+                           batch_invariant=batch_invariant)
