@@ -288,3 +288,25 @@ def test_batch_invariant_rows_must_hold_every_verify_row(spec_engine_dir):
     with pytest.raises(EngineError, match=r"batch_invariant=16 rows: max_batch 8 x \(1 \+ 7 "
                                           r"drafts\) = 64 rows do not fit"):
         Engine.from_dir(spec_engine_dir, device="cpu", batch_invariant=16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: its kernels pick launch "
+                    "shapes by size, which is what the mode pins")
+def test_batch_invariant_drafts_on_give_the_drafts_off_tokens_on_the_gpu(trained_dir, tmp_path):
+    """BF16 on the GPU, CUDA graphs and every kernel: in batch-invariant mode 24 prompts 8 at a
+    time give the drafts-off tokens with drafts on (fixed and adaptive), where the default
+    mode's verify steps (more rows than a decode step) may flip near-ties."""
+    path = build_engine(trained_dir, tmp_path / "e", BuildOptions(
+        **OPTS, target="sm90", autotune="off", cuda_graph_batch_sizes=(1, 8)),
+        draft=trained_dir / "draft")
+    engines = {m: Engine.from_dir(path, device="cuda", speculative=s, batch_invariant=True)
+               for m, s in (("off", False), ("fixed", SpecConfig(compile=False)),
+                            ("adaptive", SpecConfig(adaptive=True, compile=False)))}
+    prompts = chat_prompts(engines["off"], 24, seed=5)
+    batches = [prompts[i:i + 8] for i in range(0, 24, 8)]
+    ref = [r["token_ids"] for b in batches for r in engines["off"].generate(b, greedy(48))]
+    for mode in ("fixed", "adaptive"):
+        got = [r["token_ids"] for b in batches for r in engines[mode].generate(b, greedy(48))]
+        assert got == ref, mode
+        assert engines[mode].spec.stats["spec_accepted_tokens"] > 0
+        assert engines[mode].stats["graph_steps"] > 10
