@@ -1,5 +1,7 @@
 """Host time of an eager engine step against the GPU's time for it: the model forward of one
-prefill chunk (launches only, the GPU runs behind) and build_step, on the trained tiny Beam.
+prefill chunk (launches only, the GPU runs behind) and build_step, on the trained tiny Beam;
+and the host's part of adaptive verification's draft choice at batch 32 (SpecDecoder._admit),
+with the estimator's features packed by the draft graph and packed on the host.
 
     python bench/host_overhead.py --device cuda [--work DIR] [--tokens 60] [--blocks 10]
     python bench/host_overhead.py --smoke      # the CPU, 16 tokens, 2 blocks (seconds)
@@ -78,6 +80,29 @@ def registration_us(x: torch.Tensor, blocks: int) -> dict:
     return best
 
 
+def admit_times(engine_dir: Path, device: str, blocks: int, sync, batch: int = 32) -> dict:
+    """SpecDecoder._admit of `batch` requests (adaptive, random draft scores at the drafter's
+    shapes): {"features packed in the graph": ..., "features packed on the host": ...}."""
+    from beam_trtllm.draft.model import DraftOutput
+    from beam_trtllm.engine.engine import Engine
+    from beam_trtllm.engine.speculative import SpecConfig
+
+    spec = Engine.from_dir(engine_dir, device=device,
+                           speculative=SpecConfig(adaptive=True, compile=False)).spec
+    n, k, dev = spec.block, spec.dcfg.selector_top_k, spec.engine.device
+    g = torch.Generator().manual_seed(0)
+    out = DraftOutput(torch.randint(0, 1000, (batch, n), generator=g).to(dev),
+                      torch.zeros(batch, n, k, dtype=torch.int64, device=dev),
+                      (torch.randn(batch, n, k, generator=g) * 3).to(dev))
+    temps, rooms = torch.zeros(batch, device=dev), [64] * batch
+    packed = torch.cat([out.tokens.double(), spec._features(out.cand_scores, temps).double()], 1)
+    spec._admit(out, temps, rooms, packed)  # the budget's one-time cost profile
+    return {"features packed in the graph": timed_blocks(
+                lambda: spec._admit(out, temps, rooms, packed), blocks, 100, sync),
+            "features packed on the host": timed_blocks(
+                lambda: spec._admit(out, temps, rooms), blocks, 100, sync)}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,7 +149,10 @@ def main(argv=None) -> None:
     print(f"GPU time of the forward (the ceiling): {gpu_ms:.3f} ms")
     print("| part | wall ms best | wall ms median | CPU ms best | CPU ms median |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for name, r in (("model.forward", fwd), ("build_step", bld)):
+    admit = admit_times(engine_dir, args.device, args.blocks, sync)
+    rows = [("model.forward", fwd), ("build_step", bld)]
+    rows += [(f"adaptive draft choice, batch 32, {k}", v) for k, v in admit.items()]
+    for name, r in rows:
         print(f"| {name} | {r['wall_min']:.3f} | {r['wall_median']:.3f} | {r['cpu_min']:.3f} | "
               f"{r['cpu_median']:.3f} |")
 

@@ -135,6 +135,29 @@ def test_verify_graph_padding_matches_eager(spec_engine_dir, engines):
     assert eng.stats["graph_steps"] > 5
 
 
+def test_draft_graph_packs_the_estimators_features(spec_engine_dir, engines):
+    """Adaptive: the draft graph computes the estimator's features and packs them after the
+    drafts (one host read, no launches after the replay): the same numbers as packing them
+    eagerly, and the adaptive engine's tokens through that path are the drafts-off ones."""
+    eng = Engine.from_dir(spec_engine_dir, device="cpu", speculative=SpecConfig(adaptive=True))
+    spec = eng.spec
+    spec.graphs = spec.make_graphs((1, 4), capture=False)
+    seen = []
+    admit = spec._admit
+
+    def check(out, temps, rooms, packed=None):
+        assert packed is not None and packed.shape == (len(rooms), spec.block + spec.num_tokens)
+        eager = torch.cat([out.tokens.double(), spec._features(out.cand_scores, temps).double()], 1)
+        assert torch.equal(packed, eager)
+        seen.append(len(rooms))
+        return admit(out, temps, rooms, packed)
+    spec._admit = check
+    prompts = chat_prompts(eng, 3, seed=4)
+    got = [r["token_ids"] for r in eng.generate(prompts, greedy(24))]
+    assert got == [r["token_ids"] for r in engines["off"].generate(prompts, greedy(24))]
+    assert len(seen) > 3 and spec.stats["spec_accepted_tokens"] > 0
+
+
 def chi_square_p(observed: list[int], expected: list[float]) -> float:
     """p-value of Pearson's chi-square (dof = bins - 1; the bins cover all outcomes)."""
     stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))

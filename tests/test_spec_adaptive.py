@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -229,6 +230,12 @@ def test_graph_budget_picks_the_count_of_the_best_rate():
     assert budget.choose([row], host_seconds=20e-3) == 4
     assert budget.choose([row[:1], row]) == 1  # one request has room for one draft only
     assert GraphBudget(draft, {k: 1e-3 for k in verify}).choose([row]) == 4  # flat: all
+    # the engine's form: an [R, N] array, 0 past each request's room
+    padded = np.array([[0.9, 0, 0, 0], row])
+    assert budget.choose(padded) == budget.choose([row[:1], row]) == 1
+    assert budget.choose(np.array([row])) == 2
+    with pytest.raises(SpecError, match=r"survival\[1\]\[2\] = 0.9"):
+        budget.choose(np.array([row, [0.9, 0.5, 0.9, 0.1]]))
 
 
 def test_graph_budget_refuses_a_missing_graph_cost():

@@ -11,6 +11,10 @@ With `compile`, the captured function is `torch.compile(draft)`: inductor fuses 
 ~500 small kernels (norms, the grouped convs, RoPE, the walk), 0.84 -> 0.29 ms a draft step at
 batch 1 on an H200 (2026-12-02), for about 20 s of compilation per batch size at load. Drafts
 need not match the eager ones bit for bit: verification keeps the output the target's.
+
+With `features` (adaptive verification), the graph also computes the acceptance estimator's
+features of the drafts and packs them with the drafts into one float64 tensor, the one the
+host reads: no eager launches for them after the replay.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from .host_buffers import HostTable, Staging
 
 class DraftGraphs:
     def __init__(self, drafter, kv, sizes: tuple[int, ...], table_width: int,
-                 device: torch.device, capture: bool = True, compile: bool = False):
+                 device: torch.device, capture: bool = True, compile: bool = False,
+                 features=None):
         self.drafter, self.kv, self.device = drafter, kv, device
+        # features(cand_scores [b, N, k], temps [b]) -> [b, n]: packed after the drafts
+        self.features = features
         self.fn = torch.compile(drafter.draft, dynamic=False) if compile else drafter.draft
         self.sizes = tuple(sorted(sizes))
         self.max_batch = self.sizes[-1]
@@ -43,9 +50,14 @@ class DraftGraphs:
         if capture:
             self._capture_all()
 
-    def _call(self, b: int) -> DraftOutput:
+    def _call(self, b: int) -> tuple[DraftOutput, torch.Tensor | None]:
+        """(the drafts, [b, N + n] float64 drafts then features, or None without features)."""
         v = {k: t[:b] for k, t in self.buf.items()}
-        return self.fn(self.kv, v["anchors"], v["start"], v["table"], v["uniforms"], v["temps"])
+        out = self.fn(self.kv, v["anchors"], v["start"], v["table"], v["uniforms"], v["temps"])
+        if self.features is None:
+            return out, None
+        feats = self.features(out.cand_scores, v["temps"])
+        return out, torch.cat([out.tokens.double(), feats.double()], 1)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -59,8 +71,8 @@ class DraftGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = self._call(b)
-            self.graphs[b] = (graph, out)
+                outs = self._call(b)
+            self.graphs[b] = (graph, outs)
         torch.cuda.synchronize(self.device)
 
     def replay_padding(self, b: int) -> None:
@@ -72,10 +84,11 @@ class DraftGraphs:
         return next((s for s in self.sizes if s >= r), None)
 
     def run(self, reqs, anchors: list[int], starts: list[int], temps: list[float],
-            uniforms: torch.Tensor | None) -> DraftOutput:
+            uniforms: torch.Tensor | None) -> tuple[DraftOutput, torch.Tensor | None]:
         """The drafts of R = len(reqs) requests (R <= max_batch): anchors, P0s and temperatures
         as host lists (staged in pinned memory, host_buffers.py), each request's block table
-        row from `req.block_ids`, uniforms [R, N] on the device or None (greedy rows)."""
+        row from `req.block_ids`, uniforms [R, N] on the device or None (greedy rows). Also
+        the packed drafts and features [R, N + n] (on the device), None without features."""
         r = len(reqs)
         b = self.size_for(r)
         if self.stage is None:
@@ -97,8 +110,8 @@ class DraftGraphs:
         if uniforms is not None:
             self.buf["uniforms"][:r].copy_(uniforms)
         if self.capture:
-            graph, out = self.graphs[b]
+            graph, (out, packed) = self.graphs[b]
             graph.replay()
         else:
-            out = self._call(b)
-        return DraftOutput(*(t[:r] for t in out))
+            out, packed = self._call(b)
+        return DraftOutput(*(t[:r] for t in out)), (packed[:r] if packed is not None else None)

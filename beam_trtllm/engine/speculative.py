@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .request import Chunk, Request, State
@@ -116,7 +117,13 @@ class SpecDecoder:
 
         eng = self.engine
         width = cdiv(eng.options.max_seq_len + self.block + 1, eng.kv_plan.block_size)
-        return DraftGraphs(self.drafter, self.kv, tuple(sizes), width, eng.device, capture, compile)
+        features = self._features if self.estimator is not None else None
+        return DraftGraphs(self.drafter, self.kv, tuple(sizes), width, eng.device, capture, compile,
+                           features)
+
+    def _features(self, cand_scores: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+        """The estimator's features of the drafts that verification may take."""
+        return self.estimator.features(cand_scores[:, :self.num_tokens], temps)
 
     def summary(self) -> str:
         """'; drafts: mean acceptance length 3.2 (...)' for a CLI status line."""
@@ -192,12 +199,13 @@ class SpecDecoder:
 
             uniforms = draft_uniforms([r.sampling for r in go], [len(r.output_ids) for r in go],
                                       self.block, self.engine.generator, self.engine.device)
+        packed = None  # the graph's drafts and features in one tensor (draft_graphs.py)
         if self.graphs is not None and len(go) <= self.graphs.max_batch:
-            out = self.graphs.run(go, anchors, starts, temps, uniforms)
+            out, packed = self.graphs.run(go, anchors, starts, temps, uniforms)
             temps_dev = self.graphs.buf["temps"][:len(go)]
         else:
             out, temps_dev = self._draft_eager(go, anchors, starts, temps, uniforms)
-        counts, tokens, feats = self._admit(out, temps_dev, rooms)
+        counts, tokens, feats = self._admit(out, temps_dev, rooms, packed)
         if sampled:  # (a graph's outputs are its static buffers: the next replay overwrites them)
             cand_ids, cand_scores = out.cand_ids.clone(), out.cand_scores.clone()
         for b, r in enumerate(go):
@@ -220,28 +228,31 @@ class SpecDecoder:
                                  table.to(dev), uniforms, temps_t)
         return out, temps_t
 
-    def _admit(self, out, temps: torch.Tensor, rooms: list[int]):
+    def _admit(self, out, temps: torch.Tensor, rooms: list[int], packed=None):
         """-> (drafts to verify per request, the drafts as host lists, the estimator's
         features on the host or None). Fixed: `num_tokens` (and the room left); adaptive: the
-        estimator's survival-ranked prefix the budget admits. One device read either way."""
+        estimator's survival-ranked prefix the budget admits. One device read either way
+        (`packed`: the graph's drafts and features, else packed here)."""
         n = [min(self.num_tokens, room) for room in rooms]
         if self.estimator is None:
             return n, out.tokens.tolist(), None
-        feats = self.estimator.features(out.cand_scores[:, :self.num_tokens], temps)
-        # token ids are exact in float64: drafts and features come back in one read
-        both = torch.cat([out.tokens.double(), feats.double()], 1).cpu()
+        if packed is None:  # token ids are exact in float64: drafts and features in one read
+            packed = torch.cat([out.tokens.double(), self._features(out.cand_scores,
+                                                                    temps).double()], 1)
+        both = packed.cpu()
         tokens = both[:, :self.block].long().tolist()
         feats = both[:, self.block:].float()
-        survival = [s[:k] for s, k in
-                    zip(self.estimator.predict(feats).cumprod(dim=1).tolist(), n)]
+        scores = self.estimator.predict(feats).double().cumprod(dim=1).numpy()
+        scores[np.arange(scores.shape[1]) >= np.array(n)[:, None]] = 0.0  # past each room
         if self._graph_step(len(rooms)):
             if self.graph_budget is None:
                 self.graph_budget = self._profile_graphs()
             self._time_host(len(rooms))
-            count = self.graph_budget.choose(survival, self.host_seconds)
+            count = self.graph_budget.choose(scores, self.host_seconds)
             self._timed = (len(rooms), count)
             return [min(count, k) for k in n], tokens, feats
         self._timed = None
+        survival = [s[:k] for s, k in zip(scores.tolist(), n)]
         if self.budget is None:
             self.budget = self._profile()
         # the next step: every running request emits a token and feeds one non-draft token

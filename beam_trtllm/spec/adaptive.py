@@ -236,16 +236,39 @@ class GraphBudget:
         b = next(s for s in self.sizes if s >= batch)
         return self.draft_cost[b] + self.verify_cost[b, min(c for c in self.counts if c >= n)]
 
-    def choose(self, survival: Sequence[Sequence[float]], host_seconds: float = 0.0) -> int:
-        """survival[r]: request r's survival scores (its room already cut) -> n*."""
-        _check_survival(survival)
+    def choose(self, survival, host_seconds: float = 0.0) -> int:
+        """survival [R, N]: request r's survival scores, 0 past its room (an array; or ragged
+        rows, its room already cut) -> n*."""
+        s = survival_array(survival)
+        # sums[n]: the expected drafts accepted over all requests when each verifies n
+        sums = np.concatenate([[0.0], s.sum(0).cumsum()])
         best, best_rate = self.counts[-1], -1.0
         for n in self.counts:
-            gain = sum(1.0 + sum(row[:n]) for row in survival)
-            rate = gain / (self.step_cost(len(survival), n) + host_seconds)
+            gain = s.shape[0] + sums[min(n, s.shape[1])]
+            rate = gain / (self.step_cost(s.shape[0], n) + host_seconds)
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
+
+
+def survival_array(survival) -> np.ndarray:
+    """Survival scores as a float64 [R, N] array (ragged rows padded with 0), checked."""
+    if isinstance(survival, np.ndarray):
+        s = survival.astype(np.float64, copy=False)
+        if s.ndim != 2:
+            raise SpecError(f"survival must be [R, N], got shape {s.shape}")
+        bad = (s < 0) | (s > 1) | np.isnan(s)
+        bad[:, 1:] |= s[:, 1:] > s[:, :-1]
+        if bad.any():
+            r, j = (int(x) for x in np.argwhere(bad)[0])
+            raise SpecError(f"GraphBudget.choose: survival[{r}][{j}] = {float(s[r, j])!r}: "
+                            f"scores are probabilities, non-increasing along a request")
+        return s
+    _check_survival(survival)
+    s = np.zeros((len(survival), max((len(row) for row in survival), default=0)))
+    for r, row in enumerate(survival):
+        s[r, :len(row)] = row
+    return s
 
 
 def _check_survival(survival: Sequence[Sequence[float]]) -> None:
