@@ -313,6 +313,8 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_pinned": states.count(State.PINNED), "num_reserved": states.count(State.RESERVED),
                 "max_batch": self.options.max_batch, **self.stats,
+                # the rows of every decode and verify step in batch-invariant mode (0: off)
+                "batch_invariant_rows": (self.graphs.fixed_rows or 0) if self.graphs else 0,
                 "prefix_hits": self.blocks.stats["hits"],
                 **(self.spec.stats if self.spec is not None else {}),
             }
