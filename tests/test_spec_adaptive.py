@@ -159,6 +159,8 @@ def test_budget_hand_checked():
     # 1.0 at 2 tokens to 2.0 at 6: B = 0..4 -> 1.333 1.657 1.850 1.867 1.720, so B* = 3
     budget = DraftBudget({2: 0.5}, {2: 1.0, 6: 2.0})
     assert budget.choose([[0.9, 0.5], [0.8, 0.1]], num_sampling=2, non_draft_tokens=2) == [2, 1]
+    # the engine's form: one [R, N] array, 0 past a request's room (never admitted)
+    assert budget.choose(np.array([[0.9, 0.5, 0.0], [0.8, 0.1, 0.0]]), 2, 2) == [2, 1]
 
 
 def test_budget_admits_nothing_when_verify_is_dear_and_everything_when_it_is_cheap():

@@ -252,13 +252,12 @@ class SpecDecoder:
             self._timed = (len(rooms), count)
             return [min(count, k) for k in n], tokens, feats
         self._timed = None
-        survival = [s[:k] for s, k in zip(scores.tolist(), n)]
         if self.budget is None:
             self.budget = self._profile()
         # the next step: every running request emits a token and feeds one non-draft token
         # (its anchor; prefill chunks of new requests are not known yet)
         running = max(len(self.engine.scheduler.running), len(rooms))
-        admitted = self.budget.choose(survival, running, running)
+        admitted = self.budget.choose(scores, running, running)
         return [min(a, k) for a, k in zip(admitted, n)], tokens, feats
 
     def _graph_step(self, r: int) -> bool:

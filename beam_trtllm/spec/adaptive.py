@@ -190,25 +190,25 @@ class DraftBudget:
         self.verify_cost = CostCurve(verify_cost, verify_graph_limit, 1e-6, "verify_cost")
         self.max_drafts = max_drafts
 
-    def choose(self, survival: Sequence[Sequence[float]], num_sampling: int,
-               non_draft_tokens: int) -> list[int]:
-        """survival[r]: request r's survival score per draft slot (non-increasing);
-        num_sampling: requests that emit a token this step; non_draft_tokens: the step's
-        other tokens -> drafts admitted per request (each a prefix of its slots)."""
-        _check_survival(survival)
-        # ties go to the earlier slot, so a request's admitted slots stay a prefix
-        slots = sorted(((s, j, r) for r, row in enumerate(survival) for j, s in enumerate(row)),
-                       key=lambda t: (-t[0], t[1], t[2]))
+    def choose(self, survival, num_sampling: int, non_draft_tokens: int) -> list[int]:
+        """survival [R, N]: request r's survival score per draft slot (non-increasing; an
+        array with 0 past each request's room, or ragged rows); num_sampling: requests that
+        emit a token this step; non_draft_tokens: the step's other tokens -> drafts admitted
+        per request (each a prefix of its slots). A 0 slot never raises the rate, so the
+        padding is never admitted."""
+        s = survival_array(survival)
+        rows, cols = np.indices(s.shape)
+        # best first; ties go to the earlier slot, so a request's admitted slots stay a prefix
+        order = np.lexsort((rows.ravel(), cols.ravel(), -s.ravel()))
+        positive = int((s > 0).sum())  # (sorted first)
         if self.max_drafts is not None:
-            slots = slots[:max(0, self.max_drafts)]
-        gain = num_sampling + np.concatenate([[0.0], np.cumsum([s for s, _, _ in slots])])
-        cost = (self.draft_cost([len(survival)])[0]
-                + self.verify_cost(non_draft_tokens + np.arange(len(slots) + 1)))
+            positive = min(positive, max(0, self.max_drafts))
+        order = order[:positive]
+        gain = num_sampling + np.concatenate([[0.0], np.cumsum(s.ravel()[order])])
+        cost = (self.draft_cost([s.shape[0]])[0]
+                + self.verify_cost(non_draft_tokens + np.arange(len(order) + 1)))
         best = int(np.argmax(gain / cost))
-        admitted = [0] * len(survival)
-        for _, _, r in slots[:best]:
-            admitted[r] += 1
-        return admitted
+        return np.bincount(rows.ravel()[order[:best]], minlength=s.shape[0]).tolist()
 
 
 class GraphBudget:
