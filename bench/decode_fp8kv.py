@@ -10,8 +10,9 @@ and at B=8 and B=64 with 8K and 32K; a sliding layer (its sliding_window-slot ri
 and B=64. Rows a case: the BF16 cache before and after the block-table shifts
 ("pow2_blocks"), the FP8 cache as before (Triton's cast to BF16, runtime division: the old
 kernel) and under each FP16 operand setting (DECODE_CONFIG "fp8_operands": cvt, bits,
-cvt_k_bits_v; plugins/_attention_tiles.py); at B=1 128K also the cast with the shifts, and
-each FP16 setting under a 168-register cap (3 programs an SM, not in whole waves); in every
+cvt_k_bits_v; plugins/_attention_tiles.py); at B=1 128K also the cast with the shifts,
+each FP16 setting under a 168-register cap (3 programs an SM, not in whole waves), and 8 warps
+a program (with 4 stages, with 256-key tiles; BF16 too); in every
 case also the grid as it was before whole waves ("no fit": DECODE_CONFIG "wave_fit" 0, FP8
 at 3 an SM). Times:
 medians of CUDA-graph replays of the decode launcher (as the engine runs decode, launched as
@@ -76,6 +77,13 @@ def variants(name: str) -> dict[str, tuple[torch.dtype, dict]]:
             rows[f"fp8 {form} 168 regs"] = (FP8, {"fp8_operands": FP8_SETTINGS[form],
                                                   "maxnreg": 168, "programs_per_sm_fp8": 3,
                                                   "wave_fit": 0})
+        # 8 warps a program: the tile's conversions and softmax spread over twice the threads
+        # (half the registers each), 16 warps an SM at 2 programs to hide the FP8 loop's
+        # instruction latency; with 4 stages, and with 256-key tiles (more bytes a stage)
+        rows["fp8 8 warps"] = (FP8, {"num_warps": 8})
+        rows["fp8 8 warps 4 stages"] = (FP8, {"num_warps": 8, "num_stages": 4})
+        rows["fp8 8 warps 256 keys"] = (FP8, {"num_warps": 8, "BLOCK_N": 256, "min_split": 256})
+        rows["bf16 8 warps"] = (BF16, {"num_warps": 8})
     return rows
 
 
