@@ -34,7 +34,7 @@ from .overlap import OverlapMixin
 from .plan import BuildOptions, KVPlan, cdiv
 from .request import Request, State
 from .scheduler import Scheduler
-from .speculative import DRAFT_DIR, SpecConfig, SpecDecoder, find_draft_dir
+from .speculative import DRAFT_DIR, SpecConfig, SpecDecoder, dir_draft_tokens, find_draft_dir
 from .types import EngineError, KVUsage, SamplingParams
 
 
@@ -133,7 +133,7 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
                 find_draft_dir(spec.path, sc), spec.cfg, weights["model.embed_tokens.weight"],
                 weights["lm_head.weight"], device, weights["model.embed_tokens.weight"].dtype)
         if batch_invariant is True:  # the same rows in the dir's engines with and without drafts
-            batch_invariant = spec.options.max_batch * (1 + _dir_draft_tokens(spec.path, sc))
+            batch_invariant = spec.options.max_batch * (1 + dir_draft_tokens(spec.path, sc))
         return cls(spec.cfg, weights, spec.layer_plan, spec.options, spec.kv, device, tokenizer,
                    eos_ids, use_cuda_graphs, parallel, drafter, sc, overlap, batch_invariant)
 
@@ -376,17 +376,6 @@ def _speculative(spec, choice) -> "SpecConfig | None":
     if not has_draft:
         return None
     return SpecConfig(tokens=spec.options.draft_tokens or None)
-
-
-def _dir_draft_tokens(engine_dir: Path, spec: "SpecConfig | None") -> int:
-    """Draft tokens of the drafter an engine dir's speculative decoding would load (0: none)."""
-    from ..draft.config import DraftConfig
-
-    try:
-        path = find_draft_dir(Path(engine_dir), spec or SpecConfig())
-    except EngineError:  # no drafter: drafts off, one row a sequence
-        return 0
-    return DraftConfig.from_dir(path).num_draft_tokens
 
 
 def _stderr(line: str) -> None:

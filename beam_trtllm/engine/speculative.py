@@ -72,6 +72,17 @@ def find_draft_dir(engine_dir: Path, spec: SpecConfig) -> Path:
     return path
 
 
+def dir_draft_tokens(engine_dir: Path, spec: "SpecConfig | None") -> int:
+    """Draft tokens of the drafter an engine dir's speculative decoding would load (0: none)."""
+    from ..draft.config import DraftConfig
+
+    try:
+        path = find_draft_dir(Path(engine_dir), spec or SpecConfig())
+    except EngineError:  # no drafter: drafts off, one row a sequence
+        return 0
+    return DraftConfig.from_dir(path).num_draft_tokens
+
+
 class SpecDecoder:
     """The drafter, its KV, the verifier and the adaptive budget of one engine."""
 
