@@ -252,31 +252,24 @@ class GraphBudget:
 
 
 def survival_array(survival) -> np.ndarray:
-    """Survival scores as a float64 [R, N] array (ragged rows padded with 0), checked."""
+    """Survival scores as a float64 [R, N] array (ragged rows padded with 0: the padding
+    passes the check, since 0 is below any score), checked: probabilities, non-increasing
+    along a request."""
     if isinstance(survival, np.ndarray):
         s = survival.astype(np.float64, copy=False)
-        if s.ndim != 2:
-            raise SpecError(f"survival must be [R, N], got shape {s.shape}")
-        bad = (s < 0) | (s > 1) | np.isnan(s)
-        bad[:, 1:] |= s[:, 1:] > s[:, :-1]
-        if bad.any():
-            r, j = (int(x) for x in np.argwhere(bad)[0])
-            raise SpecError(f"GraphBudget.choose: survival[{r}][{j}] = {float(s[r, j])!r}: "
-                            f"scores are probabilities, non-increasing along a request")
-        return s
-    _check_survival(survival)
-    s = np.zeros((len(survival), max((len(row) for row in survival), default=0)))
-    for r, row in enumerate(survival):
-        s[r, :len(row)] = row
+    else:
+        s = np.zeros((len(survival), max((len(row) for row in survival), default=0)))
+        for r, row in enumerate(survival):
+            s[r, :len(row)] = row
+    if s.ndim != 2:
+        raise SpecError(f"survival must be [R, N], got shape {s.shape}")
+    bad = (s < 0) | (s > 1) | np.isnan(s)
+    bad[:, 1:] |= s[:, 1:] > s[:, :-1]
+    if bad.any():
+        r, j = (int(x) for x in np.argwhere(bad)[0])
+        raise SpecError(f"adaptive verification: survival[{r}][{j}] = {float(s[r, j])!r}: "
+                        f"scores are probabilities, non-increasing along a request")
     return s
-
-
-def _check_survival(survival: Sequence[Sequence[float]]) -> None:
-    for r, row in enumerate(survival):
-        for j, s in enumerate(row):
-            if not 0.0 <= s <= 1.0 or (j and s > row[j - 1]):
-                raise SpecError(f"DraftBudget.choose: survival[{r}][{j}] = {s!r}: scores are "
-                                f"probabilities, non-increasing along a request")
 
 
 def profile_sizes(capture_sizes: Sequence[int], max_size: int) -> list[int]:
