@@ -9,8 +9,11 @@ FP32 GEMM rates on random square products. A row's rate is compared with one of 
 from __future__ import annotations
 
 import datetime
+import json
 import platform
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -112,6 +115,40 @@ def table(ceil: dict, rows: list[dict] | None = None) -> str:
                  f"write), BF16 GEMM {ceil['bf16_TFLOPs']:.0f} TFLOP/s, FP8 GEMM "
                  f"{ceil['fp8_TFLOPs']:.0f} TFLOP/s, FP32 GEMM {ceil['fp32_TFLOPs']:.1f} TFLOP/s")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- one run
+def start_run(opts, script: str):
+    """A kernel benchmark's start (opts: --smoke, --preset): the switch, a GPU or a refusal,
+    the model shapes, the ceilings measured now, each printed -> (preset name, config, start
+    time, environment, ceilings), or None without a GPU (the caller exits 2)."""
+    from beam_trtllm.config import preset
+
+    configure(opts.smoke)
+    if not opts.smoke and not torch.cuda.is_available():
+        print(f"bench/{script} needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return None
+    name = opts.preset or ("tiny" if smoke() else "beam-1.0-501b")
+    cfg, t0, env = preset(name), time.time(), environment()
+    print(f"{env['machine']} | torch {torch.__version__} | triton {triton.__version__}"
+          f" | preset {name} | commit {env['commit']}", flush=True)
+    ceil = measure_ceilings()
+    print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
+    return name, cfg, t0, env, ceil
+
+
+def report_run(opts, name: str, env: dict, ceil: dict, t0: float, **extra) -> None:
+    """Print the table of ROWS and the run's time; with --out, table.md and results.json
+    (`extra`: more results.json fields)."""
+    text = table(ceil)
+    print("\n" + text)
+    print(f"total {time.time() - t0:.0f} s")
+    if opts.out:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        (opts.out / "table.md").write_text(text + "\n")
+        (opts.out / "results.json").write_text(json.dumps(
+            dict(env=env, preset=name, ceilings=ceil, rows=ROWS, **extra,
+                 seconds=time.time() - t0), indent=1, default=str))
 
 
 # ----------------------------------------------------------------------------- provenance

@@ -46,6 +46,7 @@ import _common as bc  # noqa: E402
 import kernels_bench as kb  # noqa: E402
 from _linear_testdata import linear_args  # noqa: E402
 import kernels_sweep  # noqa: E402
+from beam_trtllm.config import preset  # noqa: E402
 from kernels_sweep import patched  # noqa: E402
 from plugins import _attention_decode, rmsnorm  # noqa: E402
 from plugins._common import cast_rne, sm_count  # noqa: E402
@@ -247,7 +248,7 @@ def main() -> None:
         kernels_sweep.GRID["limit"], args.preset = 2, "tiny"
     elif not torch.cuda.is_available():
         sys.exit("bench/decode_sweep.py needs a CUDA GPU (or --smoke)")
-    cfg = kb.preset(args.preset)
+    cfg = preset(args.preset)
     ceil = bc.measure_ceilings()
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
     sweeps = {"attn": sweep_attn, "linear": sweep_linear, "norm1": sweep_norm1,

@@ -20,10 +20,8 @@ bench/decode_sweep.py. Results: docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,10 +34,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import kernels_moe  # noqa: E402
 import plugins  # noqa: E402,F401  (registers torch.ops.beam.*)
 from _common import (  # noqa: E402
-    BF16, FP8, ROWS, SIZES, add_row, configure, dev, environment, measure_ceilings, rel_err,
-    smoke, table, time_graph_us, time_us,
+    BF16, FP8, SIZES, add_row, dev, rel_err, report_run, start_run, time_graph_us, time_us,
 )
-from beam_trtllm.config import preset  # noqa: E402
 from plugins.add_rmsnorm import ref_add_rmsnorm  # noqa: E402
 from plugins.attention import ref_attention  # noqa: E402
 from plugins.group_router import ref_group_router  # noqa: E402
@@ -247,26 +243,12 @@ def run_steps(opts, cfg, ceil) -> dict:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    configure(opts.smoke)
-    if not opts.smoke and not torch.cuda.is_available():
-        print("bench/kernels_bench.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    run = start_run(opts, "kernels_bench.py")
+    if run is None:
         return 2
-    name = opts.preset or ("tiny" if smoke() else "beam-1.0-501b")
-    cfg, t0, env = preset(name), time.time(), environment()
-    print(f"{env['machine']} | torch {torch.__version__} | triton {triton.__version__}"
-          f" | preset {name} | commit {env['commit']}", flush=True)
-    ceil = measure_ceilings()
-    print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
+    name, cfg, t0, env, ceil = run
     moe = run_steps(opts, cfg, ceil)
-    text = table(ceil)
-    print("\n" + text)
-    print(f"total {time.time() - t0:.0f} s")
-    if opts.out:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        (opts.out / "table.md").write_text(text + "\n")
-        (opts.out / "results.json").write_text(json.dumps(
-            dict(env=env, preset=name, ceilings=ceil, rows=ROWS, **moe,
-                 seconds=time.time() - t0), indent=1, default=str))
+    report_run(opts, name, env, ceil, t0, **moe)
     return 1 if moe.get("failed") else 0
 
 

@@ -20,21 +20,16 @@ every path once (1-2 minutes in the interpreter on the 2-core CPU box).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import plugins  # noqa: E402,F401  (registers torch.ops.beam.*)
 from _common import (  # noqa: E402
-    BF16, FP8, ROWS, add_row, configure, dev, environment, measure_ceilings, rel_err, smoke,
-    table, time_graph_us,
+    BF16, FP8, add_row, dev, rel_err, report_run, smoke, start_run, time_graph_us,
 )
-from beam_trtllm.config import preset  # noqa: E402
 from plugins.linear_fp8_channel import ref_linear_fp8_channel  # noqa: E402
 from plugins.moe_fp8_channel import ref_moe_fp8_channel  # noqa: E402
 
@@ -118,17 +113,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    configure(opts.smoke)
-    if not opts.smoke and not torch.cuda.is_available():
-        print("bench/kernels_fp8_channel.py needs a CUDA GPU (or --smoke)", file=sys.stderr)
+    run = start_run(opts, "kernels_fp8_channel.py")
+    if run is None:
         return 2
-    name = opts.preset or ("tiny" if smoke() else "beam-1.0-501b")
-    cfg, t0, env = preset(name), time.time(), environment()
+    name, cfg, t0, env, ceil = run
     tokens = [int(t) for t in opts.tokens.split(",") if t]
-    print(f"{env['machine']} | torch {torch.__version__} | triton {triton.__version__}"
-          f" | preset {name} | commit {env['commit']}", flush=True)
-    ceil = measure_ceilings()
-    print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
     h, attn = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     qkvg = 2 * cfg.q_size + 2 * cfg.kv_size
     for label, n, k in (("q/k/v/gate", qkvg, h), ("o_proj", h, attn),
@@ -136,15 +125,7 @@ def main(argv=None) -> int:
                         ("dense down", h, cfg.intermediate_size)):
         bench_linear(label, n, k, tokens, ceil)
     bench_moe(cfg, tokens, ceil)
-    text = table(ceil)
-    print("\n" + text)
-    print(f"total {time.time() - t0:.0f} s")
-    if opts.out:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        (opts.out / "table.md").write_text(text + "\n")
-        (opts.out / "results.json").write_text(json.dumps(
-            dict(env=env, preset=name, ceilings=ceil, rows=ROWS, seconds=time.time() - t0),
-            indent=1, default=str))
+    report_run(opts, name, env, ceil, t0)
     return 0
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as bc  # noqa: E402  (timers, ceilings, the --smoke switch)
 import kernels_bench as kb  # noqa: E402  (bench/kernels_bench.py: the decode cases and the table)
+from beam_trtllm.config import preset  # noqa: E402
 from plugins import _attention_decode, _attention_prefill, group_router, rmsnorm  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
         GRID["limit"], opts.preset = 2, "tiny"
     elif not torch.cuda.is_available():
         sys.exit("bench/kernels_sweep.py needs a CUDA GPU (or --smoke)")
-    cfg = kb.preset(opts.preset)
+    cfg = preset(opts.preset)
     ceil = bc.measure_ceilings()
     print(f"ceilings: {json.dumps({k: round(v, 1) for k, v in ceil.items()})}", flush=True)
     only = set(filter(None, opts.only.split(",")))
