@@ -25,8 +25,9 @@ def print_peer(peer: dict, results: list[dict]) -> None:
 
 
 def print_table(results: list[dict], ceilings: dict) -> None:
-    print(f"\nceilings: copy {ceilings['copy_GBps']:.0f} GB/s, BF16 {ceilings['bf16_TFLOPs']:.0f} "
-          f"TFLOP/s, FP8 {ceilings['fp8_TFLOPs']:.0f} TFLOP/s, FP32 {ceilings['fp32_TFLOPs']:.0f} TFLOP/s")
+    rates = ", ".join(f"{u.upper()} {ceilings[f'{u}_TFLOPs']:.0f} "
+                      f"({ceilings.get(f'{u}_burst_TFLOPs', 0):.0f})" for u in ("bf16", "fp8", "fp32"))
+    print(f"\nceilings: copy {ceilings['copy_GBps']:.0f} GB/s; sustained (burst) {rates} TFLOP/s")
     for r in results:
         if "peer" in r:
             print_peer(r["peer"], results)
@@ -36,19 +37,23 @@ def print_table(results: list[dict], ceilings: dict) -> None:
             continue
         print(f"\n{r['format']} (setup {r.get('setup_s', 0):.0f} s; errors: {r.get('errors', 'none')})")
         print(f"| layer | kind | decode b=1 ms | floor ms | x floor | in a graph of {REPEATS} ms "
-              "| x floor | kernels | sum of kernel times ms | prefill 8x2K ms | GEMM floor ms | x floor |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+              "| x floor | kernels | sum of kernel times ms | prefill 8x2K ms | GEMM floor ms | x floor "
+              "| prefill alone ms | x floor | x burst floor |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for l in r["layers"]:
             for n in (l.get("kernel_names") or []) if l["layer"] == 1 else []:
                 print(f"    layer 1 kernel {n}")
             dec = l["decode_ms"] or float("nan")
             chained = l.get("decode_chained_ms") or float("nan")
+            alone = l.get("prefill_alone_ms") or float("nan")
             print(f"| {l['layer']} | {l['kind']} | {dec:.4f} | {l['decode_floor_ms']:.4f} | "
                   f"{dec / l['decode_floor_ms']:.2f} | {chained:.4f} | "
                   f"{chained / l['decode_floor_ms']:.2f} | {l['kernels']} (+{l['memcpy_memset']}) | "
                   f"{(l.get('kernel_us') or float('nan')) / 1e3:.4f} | "
                   f"{l['prefill_ms']:.2f} | {l['prefill_floor_ms']:.2f} | "
-                  f"{l['prefill_ms'] / l['prefill_floor_ms']:.2f} |")
+                  f"{l['prefill_ms'] / l['prefill_floor_ms']:.2f} | {alone:.2f} | "
+                  f"{alone / l['prefill_floor_ms']:.2f} | "
+                  f"{l['prefill_ms'] / l.get('prefill_floor_burst_ms', float('nan')):.2f} |")
         for i in sorted(int(k.removeprefix("timeline_layer")) for k in r
                         if k.startswith("timeline_layer")):
             for k in r[f"timeline_layer{i}"] or []:
