@@ -52,6 +52,7 @@ from _engine_layers import (  # noqa: E402
 from _engine_model import (  # noqa: E402
     bench_config, decode_bytes, make_engine, prefill_flops,
 )
+from _engine_ceilings import measure_ceilings  # noqa: E402
 from _engine_peer import peer_layer_ms  # noqa: E402
 from _engine_report import print_table  # noqa: E402
 from _common import environment  # noqa: E402
@@ -60,60 +61,6 @@ from beam_trtllm.engine.batch import build_step  # noqa: E402
 from beam_trtllm.engine.types import SamplingParams  # noqa: E402
 
 GB = 1e9
-
-
-DATASHEET = {"copy_GBps": 4800.0, "bf16_TFLOPs": 989.0, "fp8_TFLOPs": 1979.0, "fp32_TFLOPs": 67.0}
-
-
-def measure_ceilings(device) -> dict:
-    try:
-        return _measure_ceilings(device)
-    except Exception:  # noqa: BLE001  (fall back to the datasheet, and say so)
-        traceback.print_exc()
-        return {**DATASHEET, "note": "measurement failed: H200 datasheet values"}
-
-
-def _measure_ceilings(device) -> dict:
-    """Copy bandwidth, and each GEMM unit's rate two ways: in bursts (each 8192^3 GEMM alone,
-    synchronized: the clocks at their peak) and sustained (back to back for ~0.4 s, the
-    median of the second half). The H200 holds its FP8 rate only for the first ~0.1 s of
-    full load, then its power cap lowers the clocks: 1,480 -> 1,264 TFLOP/s, 1,980 -> ~1,400
-    MHz (2026-12-03, nvidia-smi throttle reason SW power cap). A prefill is sustained load,
-    so its floors use the sustained rates ("<unit>_TFLOPs"; the bursts "<unit>_burst_TFLOPs")."""
-    if device.type != "cuda":
-        return {"copy_GBps": 1.0, **{f"{u}{kind}_TFLOPs": 1.0 for u in ("bf16", "fp8", "fp32")
-                                      for kind in ("", "_burst")}}
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    ms = cuda_time(lambda: dst.copy_(src), 20, device)
-    out = {"copy_GBps": 2 * src.numel() / ms / 1e6}
-    del src, dst
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    torch.backends.cuda.matmul.allow_tf32 = False  # the router's FP32 GEMM: IEEE FP32
-    af, bf = a.float(), b.float()
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-    one = torch.tensor(1.0, device=device)
-    gemms = {"bf16": lambda: a @ b, "fp32": lambda: af @ bf,
-             "fp8": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)}
-    for unit, fn in gemms.items():
-        burst_ms = cuda_time(fn, 5 if unit == "fp32" else 20, device)
-        out[f"{unit}_burst_TFLOPs"] = 2 * n**3 / burst_ms / 1e9
-        out[f"{unit}_TFLOPs"] = 2 * n**3 / sustained_ms(fn, max(16, int(400 / burst_ms))) / 1e9
-    return out
-
-
-def sustained_ms(fn, iters: int) -> float:
-    """Median ms of fn over the second half of `iters` back-to-back launches (no sync)."""
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    events[0].record()
-    for i in range(iters):
-        fn()
-        events[i + 1].record()
-    events[-1].synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1])
-                             for i in range(iters // 2, iters))
 
 
 def prefill(engine, seqs: int, seq_len: int, device, iters: int) -> tuple:
@@ -154,31 +101,31 @@ def first_layer_inputs(model, s) -> tuple:
 
 def layers_in_one_pass(model, s, device, iters: int) -> list[list[float]]:
     """Each layer's ms in `iters` whole forwards launched back to back (one synchronize at the
-    end: the GPU under sustained load, as in a long prefill), events between the layers."""
-    times = [[] for _ in model.layers]
-    if device.type != "cuda":  # wall time a layer (the host runs the ops)
-        for _ in range(iters):
-            x = first_layer_inputs(model, s)
-            for i in range(len(model.layers)):
-                t = time.perf_counter()
-                x = model.layer(i, *x, s)
-                times[i].append((time.perf_counter() - t) * 1e3)
-        return times
-    torch.cuda.synchronize()
+    end: the GPU under sustained load, as in a long prefill), stamps between the layers (CUDA
+    events; on the CPU wall time, the host running the ops)."""
+    cuda = device.type == "cuda"
+
+    def stamp():
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    if cuda:
+        torch.cuda.synchronize()
     passes = []
     for _ in range(iters):
         x = first_layer_inputs(model, s)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(model.layers) + 1)]
-        events[0].record()
+        stamps = [stamp()]
         for i in range(len(model.layers)):
             x = model.layer(i, *x, s)
-            events[i + 1].record()
-        passes.append(events)
-    passes[-1][-1].synchronize()
-    for events in passes:
-        for i in range(len(model.layers)):
-            times[i].append(events[i].elapsed_time(events[i + 1]))
-    return times
+            stamps.append(stamp())
+        passes.append(stamps)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = (lambda a, b: a.elapsed_time(b)) if cuda else (lambda a, b: (b - a) * 1e3)
+    return [[elapsed(p[i], p[i + 1]) for p in passes] for i in range(len(model.layers))]
 
 
 def prefill_kernels(model, s, device, layer: int = 1) -> list[tuple[str, float]]:

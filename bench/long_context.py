@@ -112,7 +112,7 @@ def build_options(args) -> BuildOptions:
 
 # ---------------------------------------------------------------------------- ceilings
 def measure_ceilings(cfg, device, smoke: bool) -> dict:
-    from engine_bench import measure_ceilings as gemm_and_copy
+    from _engine_ceilings import measure_ceilings as gemm_and_copy
 
     out = gemm_and_copy(device)
     out.update(attention_ceiling(cfg, device, smoke))
