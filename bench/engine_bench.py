@@ -133,13 +133,12 @@ def prefill_kernels(model, s, device, layer: int = 1) -> list[tuple[str, float]]
     (name, ms) in launch order; where the prefill's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    h = torch.nn.functional.embedding(s.input_ids, model.embed)
-    x, xq = model.input_norm(h)
+    x = first_layer_inputs(model, s)
     for i in range(layer):
-        h, x, xq = model.layer(i, h, x, xq, s)
+        x = model.layer(i, *x, s)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        model.layer(layer, h, x, xq, s)
+        model.layer(layer, *x, s)
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
