@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -156,21 +157,41 @@ def tiny_part(args, work: Path) -> dict:
         res["lossless"] |= invariant_lossless(path, args, prompts, ref)
     for batch in args.batches:
         sub = (prompts * ((batch + len(prompts) - 1) // len(prompts)))[:max(batch, args.speed_prompts)]
-        for m, eng in engines.items():
+        for eng in engines.values():
             run(eng, sub, args.max_tokens, batch)  # warm-up: every shape's kernels compiled
-            before = dict(eng.stats) | (eng.spec.stats if eng.spec else {})
-            _, tps, decode = run(eng, sub, args.max_tokens, batch)
-            row = {"batch": batch, "mode": m, "tokens_per_s": tps, "decode_tokens_per_s": decode}
-            if eng.spec is not None:
-                st = eng.spec.stats
-                steps = st["spec_verify_steps"] - before["spec_verify_steps"]
-                acc = st["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-                row["mean_acceptance_length"] = (acc + steps) / steps if steps else None
+        runs = {m: [] for m in engines}
+        for _ in range(args.repeats):  # the modes in turn, so a drift of the machine hits all
+            for m, eng in engines.items():
+                runs[m].append(speed_run(eng, sub, args.max_tokens, batch))
+        for m, rows in runs.items():
+            row = {"batch": batch, "mode": m, "runs": rows}
+            for key in ("tokens_per_s", "decode_tokens_per_s", "mean_acceptance_length"):
+                vals = [r[key] for r in rows if r.get(key) is not None]
+                row[key] = statistics.median(vals) if vals else None
+            row["decode_range"] = (min(r["decode_tokens_per_s"] for r in rows),
+                                   max(r["decode_tokens_per_s"] for r in rows))
             res["speed"].append(row)
-            log(f"batch {batch} {m}: {tps:.0f} tok/s, decode {decode:.0f} tok/s"
-                + (f", acceptance length {row.get('mean_acceptance_length') or 0:.2f}"
+            log(f"batch {batch} {m}: {row['tokens_per_s']:.0f} tok/s, decode "
+                f"{row['decode_tokens_per_s']:.0f} tok/s (median of {len(rows)})"
+                + (f", acceptance length {row['mean_acceptance_length'] or 0:.2f}"
                    if m != "off" else ""))
     return res
+
+
+def speed_run(eng, prompts, max_tokens: int, batch: int) -> dict:
+    """One timed pass: tokens/s end to end and in decode, the acceptance length, the share
+    of verify steps that ran chained (spec_chain.py)."""
+    before = dict(eng.stats) | (eng.spec.stats if eng.spec else {})
+    _, tps, decode = run(eng, prompts, max_tokens, batch)
+    row = {"tokens_per_s": tps, "decode_tokens_per_s": decode}
+    if eng.spec is not None:
+        st = eng.spec.stats
+        steps = st["spec_verify_steps"] - before["spec_verify_steps"]
+        acc = st["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        row["mean_acceptance_length"] = (acc + steps) / steps if steps else None
+        chained = eng.stats["spec_chained_steps"] - before["spec_chained_steps"]
+        row["chained_share"] = chained * batch / steps if steps else None
+    return row
 
 
 def full_width_part(args) -> list[dict]:
@@ -224,12 +245,16 @@ def markdown(res: dict) -> str:
     if tiny:
         out += ["| drafts | identical greedy outputs |", "| --- | --- |"]
         out += [f"| {m} | {v['identical']}/{v['of']} |" for m, v in tiny["lossless"].items()]
-        out += ["", "| batch | drafts | tokens/s end to end | decode tokens/s | mean acceptance "
-                "length |", "| ---: | --- | ---: | ---: | ---: |"]
+        out += ["", "| batch | drafts | tokens/s end to end | decode tokens/s (range) | x off "
+                "(decode) | mean acceptance length |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
+        off = {r["batch"]: r["decode_tokens_per_s"] for r in tiny["speed"] if r["mode"] == "off"}
         for r in tiny["speed"]:
             acc = r.get("mean_acceptance_length")
+            lo, hi = r["decode_range"]
             out.append(f"| {r['batch']} | {r['mode']} | {r['tokens_per_s']:.0f} | "
-                       f"{r['decode_tokens_per_s']:.0f} | {'' if acc is None else f'{acc:.2f}'} |")
+                       f"{r['decode_tokens_per_s']:.0f} ({lo:.0f}-{hi:.0f}) | "
+                       f"{r['decode_tokens_per_s'] / off[r['batch']]:.2f} | "
+                       f"{'' if acc is None else f'{acc:.2f}'} |")
     fw = res.get("full_width")
     if fw:
         out += ["", "| batch | layer | kind | decode ms | verify ms | verify / decode |",
@@ -250,6 +275,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=100)
     p.add_argument("--speed-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per batch and mode "
+                   "(the modes in turn; the median is reported)")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--full-width", action="store_true")
     p.add_argument("--no-tiny", action="store_true")
@@ -261,6 +288,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         args.prompts, args.speed_prompts, args.max_tokens, args.batches = 3, 2, 6, [1, 2]
+        args.repeats = 1
         args.context = 40
     return args
 

@@ -135,11 +135,14 @@ def test_verify_graph_padding_matches_eager(spec_engine_dir, engines):
     assert eng.stats["graph_steps"] > 5
 
 
-def test_draft_graph_packs_the_estimators_features(spec_engine_dir, engines):
+def test_draft_graph_packs_the_estimators_features(spec_fp32_engine_dir):
     """Adaptive: the draft graph computes the estimator's features and packs them after the
     drafts (one host read, no launches after the replay): the same numbers as packing them
-    eagerly, and the adaptive engine's tokens through that path are the drafts-off ones."""
-    eng = Engine.from_dir(spec_engine_dir, device="cpu", speculative=SpecConfig(adaptive=True))
+    eagerly, and the adaptive engine's tokens through that path are the drafts-off ones (FP32:
+    the counts follow measured step costs, and in BF16 a row's bits follow its batch)."""
+    off = Engine.from_dir(spec_fp32_engine_dir, device="cpu", speculative=False)
+    eng = Engine.from_dir(spec_fp32_engine_dir, device="cpu",
+                          speculative=SpecConfig(adaptive=True))
     spec = eng.spec
     spec.graphs = spec.make_graphs((1, 4), capture=False)
     seen = []
@@ -154,7 +157,7 @@ def test_draft_graph_packs_the_estimators_features(spec_engine_dir, engines):
     spec._admit = check
     prompts = chat_prompts(eng, 3, seed=4)
     got = [r["token_ids"] for r in eng.generate(prompts, greedy(24))]
-    assert got == [r["token_ids"] for r in engines["off"].generate(prompts, greedy(24))]
+    assert got == [r["token_ids"] for r in off.generate(prompts, greedy(24))]
     assert len(seen) > 3 and spec.stats["spec_accepted_tokens"] > 0
 
 
@@ -333,3 +336,4 @@ def test_batch_invariant_drafts_on_give_the_drafts_off_tokens_on_the_gpu(trained
         assert got == ref, mode
         assert engines[mode].spec.stats["spec_accepted_tokens"] > 0
         assert engines[mode].stats["graph_steps"] > 10
+        assert engines[mode].stats["spec_chained_steps"] > 10  # (spec_chain.py)

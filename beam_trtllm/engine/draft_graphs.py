@@ -90,6 +90,39 @@ class DraftGraphs:
         row from `req.block_ids`, uniforms [R, N] on the device or None (greedy rows). Also
         the packed drafts and features [R, N + n] (on the device), None without features."""
         r = len(reqs)
+        b = self._stage(reqs, anchors, starts, temps)
+        if uniforms is not None:
+            self.buf["uniforms"][:r].copy_(uniforms)
+        if self.capture:
+            graph, (out, packed) = self.graphs[b]
+            graph.replay()
+        else:
+            out, packed = self._call(b)
+        return DraftOutput(*(t[:r] for t in out)), (packed[:r] if packed is not None else None)
+
+    def prepare(self, reqs) -> None:
+        """Stage the requests' block tables in rows 0..R-1 (the rest padding) for greedy
+        `run_device` steps of them in that order (spec_chain.py)."""
+        self._stage(reqs, [0] * len(reqs), [self.pad_start] * len(reqs), [0.0] * len(reqs))
+
+    def run_device(self, anchors: torch.Tensor, starts: torch.Tensor):
+        """Greedy drafts [R, N] of the requests `prepare` staged, from device anchors and
+        P0s [R]: the same draft step as `run`, with no host values in between. Also the
+        packed drafts and features [R, N + n] as `run`'s (None without features)."""
+        r = anchors.shape[0]
+        b = self.size_for(r)
+        self.buf["anchors"][:r].copy_(anchors)
+        self.buf["start"][:r].copy_(starts)
+        if self.capture:
+            graph, (out, packed) = self.graphs[b]
+            graph.replay()
+        else:
+            out, packed = self._call(b)
+        return out.tokens[:r], (packed[:r] if packed is not None else None)
+
+    def _stage(self, reqs, anchors, starts, temps) -> int:
+        """run()'s host inputs into the static buffers (pinned staging) -> the graph size."""
+        r = len(reqs)
         b = self.size_for(r)
         if self.stage is None:
             self.stage = Staging({k: self.buf[k] for k in ("anchors", "start", "table", "temps")},
@@ -107,11 +140,4 @@ class DraftGraphs:
         for row, req in enumerate(reqs):
             self.table.set(row, req)
         stage.copy(b)
-        if uniforms is not None:
-            self.buf["uniforms"][:r].copy_(uniforms)
-        if self.capture:
-            graph, (out, packed) = self.graphs[b]
-            graph.replay()
-        else:
-            out, packed = self._call(b)
-        return DraftOutput(*(t[:r] for t in out)), (packed[:r] if packed is not None else None)
+        return b

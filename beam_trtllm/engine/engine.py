@@ -34,6 +34,7 @@ from .overlap import OverlapMixin
 from .plan import BuildOptions, KVPlan, cdiv
 from .request import Request, State
 from .scheduler import Scheduler
+from .spec_chain import SpecChainMixin
 from .speculative import DRAFT_DIR, SpecConfig, SpecDecoder, dir_draft_tokens, find_draft_dir
 from .types import EngineError, KVUsage, SamplingParams
 
@@ -42,7 +43,7 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-class Engine(DisaggMixin, OutputMixin, OverlapMixin):
+class Engine(DisaggMixin, OutputMixin, OverlapMixin, SpecChainMixin):
     def __init__(self, cfg: BeamConfig, weights: dict[str, torch.Tensor], layer_plan: dict,
                  options: BuildOptions, kv_plan: KVPlan, device: torch.device | str = "cpu",
                  tokenizer=None, eos_token_ids: Sequence[int] = (), use_cuda_graphs: bool = True,
@@ -91,6 +92,7 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
         self.stats = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                       "restored_tokens": 0, "preemptions": 0}
         self._init_overlap(overlap)  # decode steps launched ahead (overlap.py)
+        self._init_chain()  # speculative steps launched ahead (spec_chain.py)
 
     @classmethod
     def from_dir(cls, path: str | Path, device: torch.device | str | None = None,
@@ -235,8 +237,11 @@ class Engine(DisaggMixin, OutputMixin, OverlapMixin):
             outputs = self._pending_outputs
             self._pending_outputs = []
             outputs += self._emit_handoff_tokens()
-            chunks = self.scheduler.schedule() if self._inflight is None else None
-            if self._inflight is not None or (chunks and self._overlappable(chunks)):
+            busy = self._inflight is not None or self._chain is not None
+            chunks = self.scheduler.schedule() if not busy else None
+            if self._chain is not None or (chunks and self._chainable(chunks)):
+                outputs += self._chained_step(chunks)  # speculative steps on the device
+            elif self._inflight is not None or (chunks and self._overlappable(chunks)):
                 outputs += self._overlapped_step(chunks)
             elif chunks:
                 slots = self.spec.context_slots(chunks) if self.spec is not None else None

@@ -167,6 +167,34 @@ class DecodeGraphs:
         for i, r in enumerate(reqs):
             self.table.set(i, r)
 
+    def fill_device(self, ids: torch.Tensor, start: torch.Tensor) -> None:
+        """The first B * q rows from device tensors (a chained verify step, spec_chain.py):
+        ids [B, q] (each sequence's known token, then its q - 1 drafts), start [B] (that
+        token's position). What `_fill_rows` writes for full verify chunks, computed on the
+        device; the rows' block tables, rings and sliding starts stay as the last host fill
+        left them (the same requests, in the same rows, with blocks allocated ahead)."""
+        b, q = ids.shape
+        n = b * q
+        buf = self.buf
+        pos = (start[:, None] + torch.arange(q, device=ids.device)).reshape(-1)
+        buf["input_ids"][:n].copy_(ids.reshape(-1))
+        buf["positions"][:n].copy_(pos)
+        buf["q_start"][:n].copy_(pos)
+        block = buf["block_table"][:n].gather(1, (pos // self.block_size)[:, None]).squeeze(1)
+        buf["slot_full"][:n].copy_(block.long() * self.block_size + pos % self.block_size)
+        buf["slot_sliding"][:n].copy_(buf["ring_index"][:n, 0].long() * self.window
+                                      + pos % self.window)
+
+    def replay(self, b: int) -> torch.Tensor:
+        """Size b's forward over the buffers as they are (captured: a replay) -> the logits of
+        every row (the graph's static output: the next replay overwrites it)."""
+        if self.capture:
+            out = self.graphs[b][1]
+            self.graphs[b][0].replay()
+        else:
+            out = self._forward(self.inputs(b))
+        return out[0] if self.capture_layers else out
+
     def replay_padding(self, b: int) -> None:
         """Replay the graph a step of b sequences replays, over padding rows only (they touch
         no live cache): its cost."""

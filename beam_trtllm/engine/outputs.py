@@ -90,22 +90,27 @@ class OutputMixin:
         vchunks = [chunks[i] for i in verify]
         res = self.spec.verify(vchunks, rows, [len(c.request.output_ids) for c in vchunks])
         for c, lg, n_acc, tokens in zip(vchunks, rows, res.num_accepted, res.tokens):
-            req = c.request
-            want = req.sampling.logprobs
-            lps = lg.float().log_softmax(-1) if want is not None else None
-            if req.sampling.stop:  # stop strings: token by token, so one can end it anywhere
-                for j, token in enumerate(tokens):
-                    req.output_ids.append(token)
-                    self.stats["generated_tokens"] += 1
-                    lp = None if lps is None else token_logprobs(lps[j], token, want)
-                    out = self._token_output(req, token, lp)
-                    outputs.append(out)
-                    if out.finished:
-                        break
-            else:
-                outputs.append(self._tokens_output(req, tokens, lps, want))
-            if req.state == State.RUNNING:
-                self.scheduler.commit(c, n_acc)
+            self._emit_verified(c, tokens, n_acc, lg, outputs)
+
+    def _emit_verified(self, c, tokens: list[int], n_acc: int, lg, outputs: list) -> None:
+        """A verify chunk's kept tokens (`lg`: its logits rows, for logprobs) into `outputs`;
+        its KV committed where the request goes on (also chained steps', spec_chain.py)."""
+        req = c.request
+        want = req.sampling.logprobs
+        lps = lg.float().log_softmax(-1) if want is not None else None
+        if req.sampling.stop:  # stop strings: token by token, so one can end it anywhere
+            for j, token in enumerate(tokens):
+                req.output_ids.append(token)
+                self.stats["generated_tokens"] += 1
+                lp = None if lps is None else token_logprobs(lps[j], token, want)
+                out = self._token_output(req, token, lp)
+                outputs.append(out)
+                if out.finished:
+                    break
+        else:
+            outputs.append(self._tokens_output(req, tokens, lps, want))
+        if req.state == State.RUNNING:
+            self.scheduler.commit(c, n_acc)
 
     def _tokens_output(self, req: Request, tokens: list[int], lps, want) -> RequestOutput:
         """One output for a verify step's tokens (no stop strings, no grammar: drafts are off

@@ -15,7 +15,8 @@ length limits, grammars. A step with grammar rows launches its forward only: its
 sampled once the step before has landed and its tokens' matchers have filled the next masks,
 so that host work (xgrammar holds the GIL while it fills) runs beside the forward. What runs
 as before, one step at a time: prefill chunks, waiting requests, speculative decoding,
-penalties and logit bias, logprobs, handoffs, parallel ranks.
+penalties and logit bias, logprobs, handoffs, parallel ranks (speculative steps chain on
+the device by their own rules: spec_chain.py).
 The tokens are those of the step-by-step engine (the same kernels, inputs and random draws,
 in the same order; tests/test_overlap.py). Blocks a finished request held may still be written
 by its last in-flight step: that write is ordered before any later step's on the stream, and
@@ -142,5 +143,6 @@ class OverlapMixin:
 
     def _quiesce(self) -> None:
         """Wait for an in-flight step's GPU work (before blocks are handed to a transport)."""
-        if self._inflight is not None and self.device.type == "cuda":
+        busy = self._inflight is not None or self._chain is not None
+        if busy and self.device.type == "cuda":  # (a chained speculative step too)
             torch.cuda.current_stream(self.device).synchronize()
