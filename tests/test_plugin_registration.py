@@ -12,7 +12,9 @@ import plugins  # noqa: F401  (registers torch.ops.beam.*)
 from plugins.registry import registered_ops
 
 # ops that write into their cache arguments; every other op is functional
-MUTATES = {"cache_write": ("k_cache", "v_cache"), "qk_prep": ("k_cache", "v_cache")}
+MUTATES = {"cache_write": ("k_cache", "v_cache"), "qk_prep": ("k_cache", "v_cache"),
+           "spec_accept": ("anchors", "next_start", "packed"),
+           "verify_rows": ("input_ids", "positions", "q_start", "slot_full", "slot_sliding")}
 
 
 @pytest.mark.parametrize("name", sorted(registered_ops()))

@@ -44,7 +44,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def test_device_fill_writes_the_host_fills_rows(fp32_dir):
-    """fill_device(ids, start) writes the verify rows that the host's fill writes for full
+    """fill_device(anchors, start, drafts) writes the verify rows that the host's fill writes for full
     verify chunks: ids, positions, q starts, full-layer slots across block boundaries and ring
     slots past the ring's wrap."""
     eng = Engine.from_dir(fp32_dir, device="cpu")
@@ -67,7 +67,7 @@ def test_device_fill_writes_the_host_fills_rows(fp32_dir):
     start = g.buf["positions"][:rows:q].clone()
     for k in ("input_ids", "positions", "q_start", "slot_full", "slot_sliding"):
         g.buf[k][:rows].fill_(-7)
-    g.fill_device(ids, start)
+    g.fill_device(ids[:, 0].clone(), start, ids[:, 1:].clone())
     for k, t in host.items():
         assert torch.equal(g.buf[k], t), k
 

@@ -102,17 +102,14 @@ class DraftGraphs:
 
     def prepare(self, reqs) -> None:
         """Stage the requests' block tables in rows 0..R-1 (the rest padding) for greedy
-        `run_device` steps of them in that order (spec_chain.py)."""
+        `replay_rows` steps of them in that order (spec_chain.py)."""
         self._stage(reqs, [0] * len(reqs), [self.pad_start] * len(reqs), [0.0] * len(reqs))
 
-    def run_device(self, anchors: torch.Tensor, starts: torch.Tensor):
-        """Greedy drafts [R, N] of the requests `prepare` staged, from device anchors and
-        P0s [R]: the same draft step as `run`, with no host values in between. Also the
+    def replay_rows(self, r: int):
+        """Greedy drafts [R, N] of the R requests `prepare` staged, from the anchors and P0s
+        already in the static buffers (beam::spec_accept writes them on the device), and the
         packed drafts and features [R, N + n] as `run`'s (None without features)."""
-        r = anchors.shape[0]
         b = self.size_for(r)
-        self.buf["anchors"][:r].copy_(anchors)
-        self.buf["start"][:r].copy_(starts)
         if self.capture:
             graph, (out, packed) = self.graphs[b]
             graph.replay()

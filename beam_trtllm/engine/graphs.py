@@ -167,23 +167,18 @@ class DecodeGraphs:
         for i, r in enumerate(reqs):
             self.table.set(i, r)
 
-    def fill_device(self, ids: torch.Tensor, start: torch.Tensor) -> None:
+    def fill_device(self, anchors: torch.Tensor, start: torch.Tensor,
+                    drafts: torch.Tensor) -> None:
         """The first B * q rows from device tensors (a chained verify step, spec_chain.py):
-        ids [B, q] (each sequence's known token, then its q - 1 drafts), start [B] (that
-        token's position). What `_fill_rows` writes for full verify chunks, computed on the
-        device; the rows' block tables, rings and sliding starts stay as the last host fill
-        left them (the same requests, in the same rows, with blocks allocated ahead)."""
-        b, q = ids.shape
-        n = b * q
+        each sequence's known token anchors [B] at position start [B], then its q - 1 drafts
+        (drafts [B, >= q - 1]). What `_fill_rows` writes for full verify chunks, in one launch
+        (beam::verify_rows); the rows' block tables, rings and sliding starts stay as the last
+        host fill left them (the same requests, in the same rows, blocks allocated ahead)."""
         buf = self.buf
-        pos = (start[:, None] + torch.arange(q, device=ids.device)).reshape(-1)
-        buf["input_ids"][:n].copy_(ids.reshape(-1))
-        buf["positions"][:n].copy_(pos)
-        buf["q_start"][:n].copy_(pos)
-        block = buf["block_table"][:n].gather(1, (pos // self.block_size)[:, None]).squeeze(1)
-        buf["slot_full"][:n].copy_(block.long() * self.block_size + pos % self.block_size)
-        buf["slot_sliding"][:n].copy_(buf["ring_index"][:n, 0].long() * self.window
-                                      + pos % self.window)
+        torch.ops.beam.verify_rows(anchors, start, drafts, buf["block_table"], buf["ring_index"],
+                                   buf["input_ids"], buf["positions"], buf["q_start"],
+                                   buf["slot_full"], buf["slot_sliding"], self.q,
+                                   self.block_size, self.window)
 
     def replay(self, b: int) -> torch.Tensor:
         """Size b's forward over the buffers as they are (captured: a replay) -> the logits of

@@ -42,12 +42,13 @@ CHAIN_AHEAD = 256
 
 @dataclass
 class ChainStep:
-    """A launched verify step whose tokens have not reached the host."""
+    """A launched verify step whose tokens have not reached the host. The next step's device
+    inputs are the draft graph's: its anchors and P0s (beam::spec_accept wrote them) and the
+    drafts it made from them."""
 
     reqs: list[Request]
     count: int                 # drafts each request verifies
-    next_ids: torch.Tensor     # [B, 1 + N] device: the correction token, then the next drafts
-    next_start: torch.Tensor   # [B] device: the correction token's position
+    drafts: torch.Tensor       # [B, N] device: the next step's drafts
     host: torch.Tensor         # [B, 1 + count + 1 (+ f)] float64 host: argmax rows, accepted,
     ready: torch.cuda.Event | None  # (adaptive) the next drafts' estimator features
     feats: torch.Tensor | None = None  # (adaptive) this step's drafts' features [B, f], host
@@ -151,36 +152,35 @@ class SpecChainMixin:
         return spec.graph_budget.choose(scores, self._chain_host_s)
 
     def _chain_launch(self, prev: ChainStep, count: int) -> ChainStep:
-        g = self.verify_graphs[count]
-        ids = prev.next_ids[:, :1 + count]
-        g.fill_device(ids, prev.next_start)
+        b, g, draft = len(prev.reqs), self.verify_graphs[count], self.spec.graphs.buf
+        g.fill_device(draft["anchors"][:b], draft["start"][:b], prev.drafts)
         self.stats["graph_steps"] += 1
         self.stats["spec_chained_steps"] += 1
-        logits = g.replay(g.size_for(len(prev.reqs)))
-        return self._chain_accept(prev.reqs, logits, ids, prev.next_start)
+        logits = g.replay(g.size_for(b))
+        q = 1 + count
+        return self._chain_accept(prev.reqs, logits, g.buf["input_ids"][:b * q].view(b, q),
+                                  g.buf["positions"][:b * q:q])
 
     def _chain_accept(self, reqs, logits, ids, start, feats=None) -> ChainStep:
-        """Device-side greedy acceptance of a verify step, the next drafts and one copy of the
-        outcome to the host. ids [B, q]: the step's rows; start [B]: their first position."""
+        """Device-side greedy acceptance of a verify step (beam::spec_accept: the next anchors
+        and P0s into the draft graph's inputs), the next drafts, one copy of the outcome to
+        the host. ids [B, q]: the step's rows; start [B]: their first position."""
         b, q = ids.shape
-        top = logits[:b * q].argmax(-1).view(b, q)
-        accepted = (ids[:, 1:] == top[:, :-1]).long().cumprod(1).sum(1)
-        anchor = top.gather(1, accepted[:, None]).squeeze(1)
-        start = start + accepted + 1
-        drafts, packed = self.spec.graphs.run_device(anchor, start)
-        n = max(self.verify_graphs)
-        parts = [top.double(), accepted[:, None].double()]
-        if self.spec.estimator is not None:  # token ids and counts are exact in float64
-            parts.append(packed[:, self.spec.block:])
-        out = torch.cat(parts, 1)
+        top = logits[:b * q].argmax(-1)
+        graphs, f = self.spec.graphs, self.spec.num_tokens if self.spec.estimator else 0
+        out = torch.empty((b, q + 1 + f), dtype=torch.float64, device=self.device)
+        torch.ops.beam.spec_accept(top, ids, start, graphs.buf["anchors"], graphs.buf["start"],
+                                   out)
+        drafts, packed = graphs.replay_rows(b)
+        if f:  # the next drafts' features (the estimator's inputs) ride along
+            out[:, q + 1:].copy_(packed[:, self.spec.block:])
         host = self._chain_host_buf(out.shape)
         host.copy_(out, non_blocking=self.device.type == "cuda")
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        next_ids = torch.cat([anchor[:, None], drafts[:, :n]], 1)
-        return ChainStep(reqs, q - 1, next_ids, start, host, ready, feats)
+        return ChainStep(reqs, q - 1, drafts, host, ready, feats)
 
     def _chain_host_buf(self, shape) -> torch.Tensor:
         """Two pinned host buffers, used in turn (at most two steps are in flight)."""
