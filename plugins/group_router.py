@@ -1,7 +1,7 @@
 """beam::group_router — DeepSeek-V3 group-limited routing, entirely in FP32.
 
     s  = sigmoid(x · Wᵀ)                         x upcast to FP32, W FP32          [T, E]
-         (<= 4 tokens: FP32 FMAs; more: 3xTF32 tensor-core products, whose error is of
+         (<= 8 tokens: FP32 FMAs; more: 3xTF32 tensor-core products, whose error is of
           FP32's order; see docs/BENCHMARKS.md for the ids matched at 16K tokens)
     sb = s + bias                                 selection only
     group_score[g] = sum of the 2 largest sb of group g (n_group contiguous groups)
@@ -180,8 +180,15 @@ ROUTER_CONFIG = {
 }
 
 
+# Up to FEW_TOKENS tokens the logits are the GEMV (and its folded selection: one launch). A
+# verify step of one request has 1 + 7 rows: on the "many" tiles it took ~11 us a layer of
+# the trained tiny on the H200 (two launches, one program), against ~1.5 us for decode
+# (2026-12-04); at Beam's width it would run ceil(256 / 64) = 4 programs over 5 MB of weights.
+FEW_TOKENS = 8
+
+
 def logits_launch_params(t: int) -> dict:
-    if t <= 4:
+    if t <= FEW_TOKENS:
         return dict(ROUTER_CONFIG["few"], BLOCK_T=next_pow2(t), USE_DOT=False, DOT_PREC="ieee")
     return dict(ROUTER_CONFIG["many"], USE_DOT=True)
 

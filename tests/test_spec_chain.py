@@ -67,7 +67,8 @@ def test_device_fill_writes_the_host_fills_rows(fp32_dir):
     start = g.buf["positions"][:rows:q].clone()
     for k in ("input_ids", "positions", "q_start", "slot_full", "slot_sliding"):
         g.buf[k][:rows].fill_(-7)
-    g.fill_device(ids[:, 0].clone(), start, ids[:, 1:].clone())
+    g.fill_device(ids[:, 0].clone(), start, ids[:, 1:].clone(),
+                  torch.ones(len(chunks), dtype=torch.int64))
     for k, t in host.items():
         assert torch.equal(g.buf[k], t), k
 
@@ -102,6 +103,29 @@ def test_chained_steps_give_the_step_by_step_tokens(fp32_dir):
     assert got["b"]["finish_reason"] == "abort"
     assert got["b"]["tokens"] == ref["b"]["token_ids"][:len(got["b"]["tokens"])]
     assert chained[19] > 3 and chained[-1] > chained[25] > chained[19]  # chains, then again
+    assert_all_free(on)
+
+
+def test_a_chain_outlives_its_requests_ending(fp32_dir):
+    """Three requests of different lengths start together: one chain carries all of them to
+    the end (an ended request's rows turn to padding rows, the others go on), with the
+    drafts-off tokens and every block free at the end."""
+    off = Engine.from_dir(fp32_dir, device="cpu", speculative=False)
+    torch.set_num_threads(1)
+    on = eager_graphs(Engine.from_dir(fp32_dir, device="cpu", overlap=True))
+    starts, start = [], on._chain_start
+
+    def count(chunks):
+        starts.append(len(chunks))
+        return start(chunks)
+    on._chain_start = count
+    ps = chat_prompts(off, 3, seed=51)
+    params = [greedy(n) for n in (70, 110, 150)]
+    ref = [off.generate([p], sp)[0]["token_ids"] for p, sp in zip(ps, params)]
+    plan = {0: [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(ps, params))]}
+    got = drive(on, plan)
+    assert [got[f"r{i}"]["tokens"] for i in range(3)] == ref
+    assert starts == [3] and on.stats["spec_chained_steps"] > 15, starts
     assert_all_free(on)
 
 

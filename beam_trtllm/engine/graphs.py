@@ -167,15 +167,17 @@ class DecodeGraphs:
         for i, r in enumerate(reqs):
             self.table.set(i, r)
 
-    def fill_device(self, anchors: torch.Tensor, start: torch.Tensor,
-                    drafts: torch.Tensor) -> None:
+    def fill_device(self, anchors: torch.Tensor, start: torch.Tensor, drafts: torch.Tensor,
+                    live: torch.Tensor) -> None:
         """The first B * q rows from device tensors (a chained verify step, spec_chain.py):
         each sequence's known token anchors [B] at position start [B], then its q - 1 drafts
-        (drafts [B, >= q - 1]). What `_fill_rows` writes for full verify chunks, in one launch
+        (drafts [B, >= q - 1]); a sequence whose live[b] is 0 (its request ended) gets padding
+        rows. What `_fill_rows` writes for full verify chunks, in one launch
         (beam::verify_rows); the rows' block tables, rings and sliding starts stay as the last
         host fill left them (the same requests, in the same rows, blocks allocated ahead)."""
         buf = self.buf
-        torch.ops.beam.verify_rows(anchors, start, drafts, buf["block_table"], buf["ring_index"],
+        torch.ops.beam.verify_rows(anchors, start, drafts, live, buf["block_table"],
+                                   buf["ring_index"],
                                    buf["input_ids"], buf["positions"], buf["q_start"],
                                    buf["slot_full"], buf["slot_sliding"], self.q,
                                    self.block_size, self.window)

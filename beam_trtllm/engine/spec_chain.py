@@ -18,8 +18,10 @@ With adaptive verification the host picks each step's draft count (GraphBudget) 
 drafts it verifies have landed: from the estimator's scores of the step before's drafts, and
 with the host time the GPU does not hide. The estimator learns from every landed step.
 
-The chain ends, landing what is in flight, when a request ends or is aborted, a request
-arrives, or one would need a new KV block (blocks for CHAIN_AHEAD more positions are taken at
+A request that ends or is aborted mid-chain keeps its rows, as padding rows from the next
+launch on (they write no cache: its freed blocks are not handed out before the chain ends,
+since a chain allocates nothing). The chain ends, landing what is in flight, when a request
+arrives, none is left, or one would need a new KV block (blocks for CHAIN_AHEAD more positions are taken at
 the start); the host then drafts the next step itself, as after any plain step, and the
 drafts are those the device would have made. Near its length limit a request's chained steps
 still verify every draft; the tokens past the limit are cut as they land. Sampled rows,
@@ -59,6 +61,10 @@ class SpecChainMixin:
         self._chain: ChainStep | None = None
         self._chain_bufs, self._chain_next = None, 0
         self._chain_mark, self._chain_host_s = None, 0.0
+        # rows of the chain whose request goes on (1) or ended (0: padding rows from then on)
+        self._chain_live = torch.ones(self.options.max_batch, dtype=torch.int64,
+                                      device=self.device)
+        self._chain_dead: set[int] = set()
         self.stats["spec_chained_steps"] = 0
 
     def _chain_ready(self) -> bool:
@@ -103,9 +109,12 @@ class SpecChainMixin:
                    and self._chain_fits(c.request, CHAIN_AHEAD) for c in chunks)
 
     def _chain_continues(self, step: ChainStep) -> bool:
+        """Every running request is in the chain and fits; a request that ended keeps its
+        rows as padding (the chain's rows never move), so the others go on."""
         sched = self.scheduler
-        return (not sched.waiting and len(step.reqs) == len(sched.running)
-                and all(self._chain_fits(r) for r in step.reqs))
+        live = [r for r in step.reqs if r.state == State.RUNNING]
+        return (bool(live) and not sched.waiting and len(live) == len(sched.running)
+                and all(self._chain_fits(r) for r in live))
 
     def _chained_step(self, chunks: list[Chunk] | None):
         """Launch `chunks` (None: a chained step is in flight), launch the step after it where
@@ -130,6 +139,8 @@ class SpecChainMixin:
         other verify graphs' rows of these requests too (their tables, rings)."""
         reqs, b, count = [c.request for c in chunks], len(chunks), len(chunks[0].drafts)
         self.spec.graphs.prepare(reqs)  # the draft graph's rows: these requests, in this order
+        self._chain_live[:b].fill_(1)
+        self._chain_dead = set()
         for n, g in self.verify_graphs.items():
             if n != count:
                 g._fill([Chunk(c.request, c.start, 1 + n, c.drafts[:n]) for c in chunks],
@@ -148,12 +159,17 @@ class SpecChainMixin:
         spec = self.spec
         if spec.estimator is None:
             return spec.num_tokens
-        scores = spec.estimator.predict(step.feats).double().cumprod(dim=1).numpy()
+        live = [b for b, r in enumerate(step.reqs) if r.state == State.RUNNING]
+        scores = spec.estimator.predict(step.feats[live]).double().cumprod(dim=1).numpy()
         return spec.graph_budget.choose(scores, self._chain_host_s)
 
     def _chain_launch(self, prev: ChainStep, count: int) -> ChainStep:
         b, g, draft = len(prev.reqs), self.verify_graphs[count], self.spec.graphs.buf
-        g.fill_device(draft["anchors"][:b], draft["start"][:b], prev.drafts)
+        for row, req in enumerate(prev.reqs):  # ended since: its rows turn to padding
+            if req.state != State.RUNNING and row not in self._chain_dead:
+                self._chain_live[row].fill_(0)
+                self._chain_dead.add(row)
+        g.fill_device(draft["anchors"][:b], draft["start"][:b], prev.drafts, self._chain_live)
         self.stats["graph_steps"] += 1
         self.stats["spec_chained_steps"] += 1
         logits = g.replay(g.size_for(b))
@@ -169,8 +185,8 @@ class SpecChainMixin:
         top = logits[:b * q].argmax(-1)
         graphs, f = self.spec.graphs, self.spec.num_tokens if self.spec.estimator else 0
         out = torch.empty((b, q + 1 + f), dtype=torch.float64, device=self.device)
-        torch.ops.beam.spec_accept(top, ids, start, graphs.buf["anchors"], graphs.buf["start"],
-                                   out)
+        torch.ops.beam.spec_accept(top, ids, start, self._chain_live, graphs.buf["anchors"],
+                                   graphs.buf["start"], out, graphs.pad_start)
         drafts, packed = graphs.replay_rows(b)
         if f:  # the next drafts' features (the estimator's inputs) ride along
             out[:, q + 1:].copy_(packed[:, self.spec.block:])

@@ -198,7 +198,7 @@ def test_router_logits_with_preloaded_weights_are_bit_equal(t, e, h):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("t", [1, 3, 8])
 def test_router_selection_folded_into_the_logits_gemv_gives_the_same_bits(t):
     """The decode chain's "select" fold (the logits GEMV's last program selects; few tokens)
     gives the two-kernel router's ids and weights bit for bit, and its tickets are back at
