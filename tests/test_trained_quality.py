@@ -98,8 +98,13 @@ def test_verify_on_the_trained_tiny_meets_the_quality_targets(work, heldout, bf1
 
 
 def test_bf16_engine_on_the_cpu_generates_transformers_greedy_tokens(work, one_thread):
-    """64 greedy tokens of 3 of bench/agreement.py's prompts, decoded as one batch."""
-    from agreement import engine_greedy, first_divergence, hf_greedy
+    """64 greedy tokens of 3 of bench/agreement.py's prompts, decoded as one batch: the same
+    tokens, except that one prompt may part at a near-tie of transformers' own logits (its
+    top token ahead by < NEAR_TIE_NATS). Both sides round to BF16 at the same points, but the
+    CPU's BF16 GEMMs sum in an order set by the instruction set and the GEMM's shape (the
+    engine packs q/k/v/gate into one): on an AVX2-only box (2026-12-04) prompt 14 parted at
+    token 14 where an AVX-512 one had matched all three."""
+    from agreement import engine_greedy, first_divergence, hf_greedy, hf_margin
 
     from beam_trtllm.tokenizer import TextTokenizer
 
@@ -109,6 +114,13 @@ def test_bf16_engine_on_the_cpu_generates_transformers_greedy_tokens(work, one_t
     want = [hf_greedy(model, p, 64) for p in prompts]
     engine = T.engine_dir(work / "bf16", work, "bf16", "cpu", len(prompts))
     got = engine_greedy(engine, prompts, 64, "cpu")["tokens"]
-    for i, w, g in zip(AGREEMENT_PROMPTS, want, got):
-        assert g == w, (f"prompt {i} ({T.prompt_label(T.PROMPTS[i])}): first divergence at "
-                        f"token {first_divergence(w, g)}")
+    parted = []
+    for i, p, w, g in zip(AGREEMENT_PROMPTS, prompts, want, got):
+        d = first_divergence(w, g)
+        if d is None:
+            continue
+        margin = hf_margin(model, p + w[:d], w[d], g[d])
+        assert margin < T.NEAR_TIE_NATS, (f"prompt {i} ({T.prompt_label(T.PROMPTS[i])}): "
+                                          f"parts at token {d}, {margin:.3f} nats from a tie")
+        parted.append(i)
+    assert len(parted) <= 1, f"prompts {parted} part from transformers (at near-ties)"

@@ -162,9 +162,19 @@ def _streamed(c, **body) -> tuple[str, str]:
     return reasoning, content
 
 
+def _object_prefix(text: str) -> bool:
+    """`text` is the start of a JSON object (xgrammar's matcher of {"type": "object"})."""
+    import xgrammar as xgr
+
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_json_schema(
+        json.dumps({"type": "object"}))
+    return text.lstrip().startswith("{") and xgr.GrammarMatcher(compiled).accept_string(text)
+
+
 def test_json_object_and_schema_and_reasoning_stream_as_they_answer(graph):
-    """response_format json_object gives a JSON object; streamed and whole responses agree
-    for json_object, json_schema and a reasoning turn."""
+    """response_format json_object gives a JSON object (or, at the length limit, the start of
+    one), json_schema a complete object of the schema; streamed and whole responses agree for
+    json_object, json_schema and a reasoning turn."""
     c = client(graph)
     schema = {"type": "object", "properties": {"k": {"type": "integer", "maximum": 99}},
               "required": ["k"], "additionalProperties": False}
@@ -175,7 +185,11 @@ def test_json_object_and_schema_and_reasoning_stream_as_they_answer(graph):
         body = dict(model="beam", messages=ASK, max_tokens=200, temperature=0, extra_body=extra,
                     **({"response_format": fmt} if fmt else {}))
         whole = c.chat.completions.create(**body).choices[0]
-        if fmt is not None:  # (a free-text answer after the reasoning may run to the limit)
+        if fmt is not None and fmt["type"] == "json_object" and whole.finish_reason == "length":
+            # any object: the tiny may run on inside a string to the limit (its greedy path
+            # differs with the CPU's BF16 GEMMs); what it wrote is an object so far
+            assert _object_prefix(whole.message.content), whole
+        elif fmt is not None:  # (a free-text answer after the reasoning may run to the limit)
             assert whole.finish_reason == "stop", (fmt, whole)
             assert isinstance(json.loads(whole.message.content), dict)
         reasoning = (whole.message.model_extra or {}).get("reasoning_content") or ""
