@@ -315,8 +315,11 @@ def test_fp8_sorted_row_quantizer_writes_each_token_to_its_rows():
 @pytest.mark.parametrize("swap", [False, True])
 def test_fp8_block_tma_prefill(dtype, swap):
     """moe_fp8_block's TMA prefill (sorted-row activations, tail blocks, one weight scale per
-    128x128 block a step) gives the reference's values, and in the interpreter the per-thread
-    kernel's bits; gate/up with the tokens or the weights on the MMA's M side.
+    128x128 block a step) gives the reference's values, and the per-thread kernel's within
+    the same tolerance; gate/up with the tokens or the weights on the MMA's M side. (Not bit
+    for bit, in the interpreter either: numpy sums a tile's FP32 products in an order its
+    BLAS picks by tile shape and instruction set; on an AVX2-only box, 2026-12-04, the two
+    tile shapes parted in the last bits.)
     H = 144: gate/up's K ends in a 16-deep partial scale group and down's second 128-row tile
     is partial; I = 128. Counts as test_fp8_tail_blocks (16-row tails, 32-row blocks)."""
     ids = ids_with_counts([40, 22, 12, 16, 0, 38, 5, 27], K)
@@ -327,8 +330,7 @@ def test_fp8_block_tma_prefill(dtype, swap):
     torch.testing.assert_close(out.cpu(), moe_fp8_block.ref_moe_fp8_block(*on_cpu(args)),
                                **_tolerance("fp8_block", dtype))
     per_thread = moe_fp8_block.moe_fp8_block_triton(*args, direct=False, tma=False)
-    if KERNEL_DEVICE == "cpu":  # on a GPU the tile shapes change the FP8 MMA's partial sums
-        assert torch.equal(out, per_thread)
+    torch.testing.assert_close(out.cpu(), per_thread.cpu(), **_tolerance("fp8_block", dtype))
     uneven = _case("fp8_block", dtype, 17, seed=4)  # I = 144: scale blocks cross the tiles
     with pytest.raises(Exception, match="I % 128 == 0"):
         moe_fp8_block.moe_fp8_block_triton(*uneven, tma=True)
