@@ -93,11 +93,7 @@ class DraftGraphs:
         b = self._stage(reqs, anchors, starts, temps)
         if uniforms is not None:
             self.buf["uniforms"][:r].copy_(uniforms)
-        if self.capture:
-            graph, (out, packed) = self.graphs[b]
-            graph.replay()
-        else:
-            out, packed = self._call(b)
+        out, packed = self._replay(b)
         return DraftOutput(*(t[:r] for t in out)), (packed[:r] if packed is not None else None)
 
     def prepare(self, reqs) -> None:
@@ -109,13 +105,16 @@ class DraftGraphs:
         """Greedy drafts [R, N] of the R requests `prepare` staged, from the anchors and P0s
         already in the static buffers (beam::spec_accept writes them on the device), and the
         packed drafts and features [R, N + n] as `run`'s (None without features)."""
-        b = self.size_for(r)
-        if self.capture:
-            graph, (out, packed) = self.graphs[b]
-            graph.replay()
-        else:
-            out, packed = self._call(b)
+        out, packed = self._replay(self.size_for(r))
         return out.tokens[:r], (packed[:r] if packed is not None else None)
+
+    def _replay(self, b: int):
+        """Graph b over the static buffers as they are (captured: a replay) -> `_call`'s."""
+        if not self.capture:
+            return self._call(b)
+        graph, outs = self.graphs[b]
+        graph.replay()
+        return outs
 
     def _stage(self, reqs, anchors, starts, temps) -> int:
         """run()'s host inputs into the static buffers (pinned staging) -> the graph size."""

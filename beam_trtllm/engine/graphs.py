@@ -182,15 +182,16 @@ class DecodeGraphs:
                                    buf["slot_full"], buf["slot_sliding"], self.q,
                                    self.block_size, self.window)
 
-    def replay(self, b: int) -> torch.Tensor:
-        """Size b's forward over the buffers as they are (captured: a replay) -> the logits of
-        every row (the graph's static output: the next replay overwrites it)."""
+    def replay(self, b: int):
+        """Size b's forward over the buffers as they are (captured: a replay) -> (the logits
+        of every row, the captured target states or None); on CUDA the graph's static
+        outputs, which the next replay overwrites."""
         if self.capture:
-            out = self.graphs[b][1]
-            self.graphs[b][0].replay()
+            graph, out = self.graphs[b]
+            graph.replay()
         else:
             out = self._forward(self.inputs(b))
-        return out[0] if self.capture_layers else out
+        return out if self.capture_layers else (out, None)
 
     def replay_padding(self, b: int) -> None:
         """Replay the graph a step of b sequences replays, over padding rows only (they touch
@@ -210,12 +211,7 @@ class DecodeGraphs:
         self._fill(chunks, b)
         if input_ids is not None:  # (after the fill's copy: stream order keeps these)
             self.buf["input_ids"][:len(chunks)].copy_(input_ids)
-        if self.capture:
-            graph, out = self.graphs[b]
-            graph.replay()
-        else:
-            out = self._forward(self.inputs(b))
-        logits, hidden = out if self.capture_layers else (out, None)
+        logits, hidden = self.replay(b)
         if self.q == 1:
             n = len(chunks)
             keep = [i for i, c in enumerate(chunks) if c.samples]

@@ -146,12 +146,10 @@ class SpecChainMixin:
                 g._fill([Chunk(c.request, c.start, 1 + n, c.drafts[:n]) for c in chunks],
                         g.size_for(b))
         logits = self._forward(chunks)[0]
-        g, q = self.verify_graphs[count], 1 + count
-        ids = g.buf["input_ids"][:b * q].view(b, q)
         feats = None
         if self.spec.estimator is not None:
             feats = torch.stack([c.request.draft_feats for c in chunks])
-        return self._chain_accept(reqs, logits, ids, g.buf["positions"][:b * q:q], feats)
+        return self._chain_accept(reqs, logits, *self._verify_rows(count, b), feats)
 
     def _chain_count(self, step: ChainStep) -> int:
         """The next step's draft count: fixed, or the budget's choice from the scores of
@@ -172,10 +170,14 @@ class SpecChainMixin:
         g.fill_device(draft["anchors"][:b], draft["start"][:b], prev.drafts, self._chain_live)
         self.stats["graph_steps"] += 1
         self.stats["spec_chained_steps"] += 1
-        logits = g.replay(g.size_for(b))
-        q = 1 + count
-        return self._chain_accept(prev.reqs, logits, g.buf["input_ids"][:b * q].view(b, q),
-                                  g.buf["positions"][:b * q:q])
+        logits = g.replay(g.size_for(b))[0]
+        return self._chain_accept(prev.reqs, logits, *self._verify_rows(count, b))
+
+    def _verify_rows(self, count: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify graph's rows of b sequences as its buffers hold them: ids [b, 1 + count]
+        and each sequence's first position [b] (views)."""
+        g, q = self.verify_graphs[count], 1 + count
+        return g.buf["input_ids"][:b * q].view(b, q), g.buf["positions"][:b * q:q]
 
     def _chain_accept(self, reqs, logits, ids, start, feats=None) -> ChainStep:
         """Device-side greedy acceptance of a verify step (beam::spec_accept: the next anchors
