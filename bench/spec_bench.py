@@ -189,8 +189,8 @@ def speed_run(eng, prompts, max_tokens: int, batch: int) -> dict:
         steps = st["spec_verify_steps"] - before["spec_verify_steps"]
         acc = st["spec_accepted_tokens"] - before["spec_accepted_tokens"]
         row["mean_acceptance_length"] = (acc + steps) / steps if steps else None
-        chained = eng.stats["spec_chained_steps"] - before["spec_chained_steps"]
-        row["chained_share"] = chained * batch / steps if steps else None
+        chained = st["spec_chained_verifies"] - before["spec_chained_verifies"]
+        row["chained_share"] = chained / steps if steps else None
     return row
 
 
@@ -273,7 +273,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path("out/spec_bench"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--prompts", type=int, default=100)
-    p.add_argument("--speed-prompts", type=int, default=32)
+    p.add_argument("--speed-prompts", type=int, default=96,
+                   help="prompts of each timed pass (at batch 32: three batches)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed passes per batch and mode "
                    "(the modes in turn; the median is reported)")

@@ -263,3 +263,20 @@ def test_observing_several_steps_at_once_is_observing_them_in_turn():
     assert one.refits == batched.refits == 1
     torch.testing.assert_close(batched.slope, one.slope, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(batched.intercepts, one.intercepts, rtol=1e-12, atol=1e-12)
+
+
+def test_host_survival_scores_are_the_running_product_of_predict_and_follow_refits():
+    """survival_scores (numpy, the chained steps' choice) is predict's running product, also
+    after the fit moves."""
+    est = AcceptanceEstimator(5)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        f = torch.randn(6, 5, generator=gen, dtype=torch.float32) * 4
+        want = est.predict(f).double().cumprod(dim=1).numpy()
+        np.testing.assert_allclose(est.survival_scores(f.numpy()), want,
+                                   **tol("survival-host", torch.float64))
+        acc = torch.randint(0, 6, (6,), generator=gen).tolist()
+        est.observe(f, [5] * 6, acc, steps=AcceptanceEstimator.REFIT_INTERVAL)
+    assert est.refits == 3
+    with pytest.raises(SpecError, match="features must be"):
+        est.survival_scores(np.zeros((2, 6)))

@@ -73,6 +73,31 @@ def test_device_fill_writes_the_host_fills_rows(fp32_dir):
         assert torch.equal(g.buf[k], t), k
 
 
+def test_take_rows_copies_the_host_fills_tables_rings_and_sliding_starts(fp32_dir):
+    """A chain's other draft counts take the block tables, rings and sliding starts of their
+    sequences from the started count's rows on the device: what their own host fill writes."""
+    eng = Engine.from_dir(fp32_dir, device="cpu")
+    kw = dict(capture=False, sizes=SIZES, ring_len=eng.kv.ring_len)
+    src, dst = (DecodeGraphs(eng.model, eng.options, eng.kv_plan, eng.cfg, eng.device,
+                             tokens_per_seq=q, **kw) for q in (8, 3))
+    gen = torch.Generator().manual_seed(5)
+    reqs = []
+    for i, start in enumerate((40, 211, 7)):
+        req = Request(f"r{i}", list(range(start + 1)), greedy(64), i, start + 80)
+        req.block_ids = torch.randperm(300, generator=gen)[:cdiv(start + 8, 16) + 1].tolist()
+        req.ring_row, req.hist_start, req.num_computed = 3 * i + 2, 9 * i + 1, start
+        req.state = State.RUNNING
+        reqs.append(req)
+    src._fill([Chunk(r, r.num_computed, 8, (1,) * 7) for r in reqs], 4)
+    dst._fill([Chunk(r, r.num_computed, 3, (2,) * 2) for r in reqs], 4)
+    want = {k: dst.buf[k].clone() for k in ("block_table", "ring_index", "hist_sliding")}
+    for t in want:
+        dst.buf[t].fill_(-3)
+    dst.take_rows(src, len(reqs))
+    for k, t in want.items():
+        assert torch.equal(dst.buf[k][:3 * len(reqs)], t[:3 * len(reqs)]), k
+
+
 def test_chained_steps_give_the_step_by_step_tokens(fp32_dir):
     """Three long greedy requests chain; a fourth arrives mid-chain, one is aborted, one
     stops at a stop string and one at its length limit: every request's tokens are those of

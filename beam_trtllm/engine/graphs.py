@@ -70,9 +70,10 @@ class DecodeGraphs:
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.hist_full = zeros(n)
         self.empty = zeros(0, dtype=torch.int64)
+        self._row_maps: dict[tuple[int, int], torch.Tensor] = {}  # take_rows
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.stage = self.table = self.index = None  # host staging (host_buffers.py)
-        self.capture = capture
+        self.capture, self.pool = capture, None  # (the graphs' memory pool: chain_graphs.py)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         if capture:
             self._capture_all()
@@ -97,8 +98,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        self._fill([])  # every row is padding while capturing
-        pool = torch.cuda.graph_pool_handle()
+        self.pad_all()  # every row is padding while capturing
+        pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for b in sorted(self.sizes, reverse=True):
             inputs = self.inputs(b)
@@ -113,6 +114,26 @@ class DecodeGraphs:
                 out = self._forward(inputs)
             self.graphs[b] = (graph, out)
         torch.cuda.synchronize(self.device)
+
+    def forward_body(self, b: int) -> torch.Tensor:
+        """Size b's forward as its graph captured it, run (or captured) in place -> the logits
+        of every row (a capture that contains the whole step, chain_graphs.py)."""
+        out = self._forward(self.inputs(b))
+        return out[0] if self.capture_layers else out
+
+    def take_rows(self, src: "DecodeGraphs", b: int) -> None:
+        """The block tables, rings and sliding starts of b sequences from another verify
+        graph's rows (src: those sequences in the same order, another q), on the device: a
+        chain's other draft counts (spec_chain.py; a host fill each cost ~0.2 ms there)."""
+        n, key = b * self.q, (src.q, b)
+        if key not in self._row_maps:
+            self._row_maps[key] = torch.arange(n, device=self.device) // self.q * src.q
+        for name in ("block_table", "ring_index", "hist_sliding"):
+            torch.index_select(src.buf[name], 0, self._row_maps[key], out=self.buf[name][:n])
+
+    def pad_all(self) -> None:
+        """Every row of the static buffers a padding row."""
+        self._fill([])
 
     def _fill(self, chunks: list[Chunk], b: int | None = None) -> None:
         """The static buffers' first b * q rows: the chunks' rows, then padding (host_buffers.py:

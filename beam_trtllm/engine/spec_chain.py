@@ -45,15 +45,14 @@ CHAIN_AHEAD = 256
 @dataclass
 class ChainStep:
     """A launched verify step whose tokens have not reached the host. The next step's device
-    inputs are the draft graph's: its anchors and P0s (beam::spec_accept wrote them) and the
-    drafts it made from them."""
+    inputs are in ChainGraphs' static buffers (the drafts) and the draft graph's (its anchors
+    and P0s: beam::spec_accept wrote them)."""
 
     reqs: list[Request]
     count: int                 # drafts each request verifies
-    drafts: torch.Tensor       # [B, N] device: the next step's drafts
     host: torch.Tensor         # [B, 1 + count + 1 (+ f)] float64 host: argmax rows, accepted,
     ready: torch.cuda.Event | None  # (adaptive) the next drafts' estimator features
-    feats: torch.Tensor | None = None  # (adaptive) this step's drafts' features [B, f], host
+    feats: np.ndarray | None = None  # (adaptive) this step's drafts' features [B, f], host
 
 
 class SpecChainMixin:
@@ -66,15 +65,30 @@ class SpecChainMixin:
                                       device=self.device)
         self._chain_dead: set[int] = set()
         self.stats["spec_chained_steps"] = 0
+        self._chain_graphs = None
+        if self._chain_ready(budget=False):  # captured at load (the CPU tests' eager graphs:
+            self._chain_graphs_now()          # at their first chain)
 
-    def _chain_ready(self) -> bool:
+    def _chain_graphs_now(self):
+        """The chained steps' graphs (chain_graphs.py) over the current verify and draft graphs."""
+        from .chain_graphs import ChainGraphs
+
+        cg, spec = self._chain_graphs, self.spec
+        if cg is None or cg.draft is not spec.graphs or cg.verify is not self.verify_graphs:
+            f = spec.num_tokens if spec.estimator is not None else 0
+            cg = self._chain_graphs = ChainGraphs(self.verify_graphs, spec.graphs,
+                                                  self._chain_live, f, self.device)
+        return cg
+
+    def _chain_ready(self, budget: bool = True) -> bool:
         """Drafts on, overlap on, the verify and draft graphs (captured, or their eager
-        buffers on the CPU); adaptive: the graphs' budget and the draft graph's features."""
+        buffers on the CPU); adaptive: the draft graph's features and (`budget`) the graphs'
+        measured costs."""
         spec = self.spec
         if spec is None or not self.overlap or spec.graphs is None or not self.verify_graphs:
             return False
-        return spec.estimator is None or (spec.graph_budget is not None
-                                          and spec.graphs.features is not None)
+        return spec.estimator is None or (spec.graphs.features is not None
+                                          and (spec.graph_budget is not None or not budget))
 
     def _chain_fits(self, req: Request, ahead: int = 0) -> bool:
         """The request can take two more chained steps: greedy, drafts allowed, no logprobs,
@@ -138,18 +152,19 @@ class SpecChainMixin:
         """The chain's first step: its rows filled from the host as any verify step's; the
         other verify graphs' rows of these requests too (their tables, rings)."""
         reqs, b, count = [c.request for c in chunks], len(chunks), len(chunks[0].drafts)
+        chain = self._chain_graphs_now()
         self.spec.graphs.prepare(reqs)  # the draft graph's rows: these requests, in this order
         self._chain_live[:b].fill_(1)
+        self._chain_live[b:].fill_(0)  # the graphs' rows past the chain's: padding
         self._chain_dead = set()
-        for n, g in self.verify_graphs.items():
-            if n != count:
-                g._fill([Chunk(c.request, c.start, 1 + n, c.drafts[:n]) for c in chunks],
-                        g.size_for(b))
         logits = self._forward(chunks)[0]
+        for n, g in self.verify_graphs.items():  # (after the forward's fill of `count`'s rows)
+            if n != count:
+                g.take_rows(self.verify_graphs[count], b)
         feats = None
         if self.spec.estimator is not None:
-            feats = torch.stack([c.request.draft_feats for c in chunks])
-        return self._chain_accept(reqs, logits, *self._verify_rows(count, b), feats)
+            feats = torch.stack([c.request.draft_feats for c in chunks]).numpy()
+        return self._chain_ship(reqs, count, chain.accept(logits, count, b), feats)
 
     def _chain_count(self, step: ChainStep) -> int:
         """The next step's draft count: fixed, or the budget's choice from the scores of
@@ -158,47 +173,29 @@ class SpecChainMixin:
         if spec.estimator is None:
             return spec.num_tokens
         live = [b for b, r in enumerate(step.reqs) if r.state == State.RUNNING]
-        scores = spec.estimator.predict(step.feats[live]).double().cumprod(dim=1).numpy()
+        scores = spec.estimator.survival_scores(step.feats[live])
         return spec.graph_budget.choose(scores, self._chain_host_s)
 
     def _chain_launch(self, prev: ChainStep, count: int) -> ChainStep:
-        b, g, draft = len(prev.reqs), self.verify_graphs[count], self.spec.graphs.buf
+        b = len(prev.reqs)
         for row, req in enumerate(prev.reqs):  # ended since: its rows turn to padding
             if req.state != State.RUNNING and row not in self._chain_dead:
                 self._chain_live[row].fill_(0)
                 self._chain_dead.add(row)
-        g.fill_device(draft["anchors"][:b], draft["start"][:b], prev.drafts, self._chain_live)
         self.stats["graph_steps"] += 1
         self.stats["spec_chained_steps"] += 1
-        logits = g.replay(g.size_for(b))[0]
-        return self._chain_accept(prev.reqs, logits, *self._verify_rows(count, b))
+        return self._chain_ship(prev.reqs, count, self._chain_graphs.replay(b, count))
 
-    def _verify_rows(self, count: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verify graph's rows of b sequences as its buffers hold them: ids [b, 1 + count]
-        and each sequence's first position [b] (views)."""
-        g, q = self.verify_graphs[count], 1 + count
-        return g.buf["input_ids"][:b * q].view(b, q), g.buf["positions"][:b * q:q]
-
-    def _chain_accept(self, reqs, logits, ids, start, feats=None) -> ChainStep:
-        """Device-side greedy acceptance of a verify step (beam::spec_accept: the next anchors
-        and P0s into the draft graph's inputs), the next drafts, one copy of the outcome to
-        the host. ids [B, q]: the step's rows; start [B]: their first position."""
-        b, q = ids.shape
-        top = logits[:b * q].argmax(-1)
-        graphs, f = self.spec.graphs, self.spec.num_tokens if self.spec.estimator else 0
-        out = torch.empty((b, q + 1 + f), dtype=torch.float64, device=self.device)
-        torch.ops.beam.spec_accept(top, ids, start, self._chain_live, graphs.buf["anchors"],
-                                   graphs.buf["start"], out, graphs.pad_start)
-        drafts, packed = graphs.replay_rows(b)
-        if f:  # the next drafts' features (the estimator's inputs) ride along
-            out[:, q + 1:].copy_(packed[:, self.spec.block:])
+    def _chain_ship(self, reqs, count: int, out: torch.Tensor, feats=None) -> ChainStep:
+        """One copy of a step's outcome (out: ChainGraphs.accept's) to the host, behind an
+        event."""
         host = self._chain_host_buf(out.shape)
         host.copy_(out, non_blocking=self.device.type == "cuda")
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return ChainStep(reqs, q - 1, drafts, host, ready, feats)
+        return ChainStep(reqs, count, host, ready, feats)
 
     def _chain_host_buf(self, shape) -> torch.Tensor:
         """Two pinned host buffers, used in turn (at most two steps are in flight)."""
@@ -231,15 +228,15 @@ class SpecChainMixin:
             room = min(req.sampling.max_tokens - len(req.output_ids),
                        req.max_total - req.num_tokens) - 1
             spec.stats["spec_verify_steps"] += 1
+            spec.stats["spec_chained_verifies"] += 1
             spec.stats["spec_drafted_tokens"] += min(step.count, room)
             spec.stats["spec_accepted_tokens"] += min(a, room)
             self._emit_verified(chunk, row[:a + 1], a, None, outputs)
         if spec.estimator is None:
             return outputs, None
         if live:
-            spec._observe([step.feats[b] for b in live], [step.count] * len(live),
-                          accepted[live].tolist())
-        return outputs, torch.from_numpy(host[:, q + 1:].astype(np.float32))
+            spec._observe(step.feats[live], [step.count] * len(live), accepted[live].tolist())
+        return outputs, host[:, q + 1:].astype(np.float32)
 
     def _chain_time(self, step: ChainStep, timed: bool) -> None:
         """Adaptive: fold in the host time a chained step took beyond its graphs' GPU time

@@ -97,6 +97,11 @@ class SpecDecoder:
             raise EngineError(f"speculative tokens {num_tokens}: the drafter drafts {block} "
                               f"per step (its block_size {self.dcfg.block_size} counts the anchor)")
         self.num_tokens, self.block = num_tokens, block
+        # the context K/V of every target row, in the decode and verify graphs: compiled, its
+        # ~60 small kernels fuse (0.13 ms of a 0.34 ms batch-1 verify graph, H200 2026-12-04)
+        cuda_compile = engine.device.type == "cuda" and compile
+        self._context_kv = torch.compile(drafter.context_kv, dynamic=True) if cuda_compile \
+            else drafter.context_kv
         self.layers = tuple(self.dcfg.target_layer_ids)
         plan = engine.kv_plan
         self.kv = DraftKV(self.dcfg, plan.num_blocks, plan.block_size, engine.device,
@@ -111,26 +116,23 @@ class SpecDecoder:
             assert AcceptanceEstimator.REFIT_INTERVAL % self.OBSERVE_EVERY == 0
             self.verify_counts = tuple(sorted({n for n in (1, 2, 4) if n < num_tokens}
                                               | {num_tokens}))
-        self._observed = [[], [], [], 0]  # feature rows, drafts, accepted, steps not yet folded
-        # adaptive on graphs: the host's time per step, the last step's (batch, drafts), when
-        self.host_seconds, self._timed, self._mark = 0.0, None, None
+        self._observed = [[], [], [], 0]  # feature blocks, drafts, accepted, steps not folded
+        self.host_seconds, self._timed, self._mark = 0.0, None, None  # (_time_host)
         self.stats = {"spec_verify_steps": 0, "spec_drafted_tokens": 0,
-                      "spec_accepted_tokens": 0}
+                      "spec_accepted_tokens": 0, "spec_chained_verifies": 0}
         self.graphs = None
         if engine.device.type == "cuda" and use_cuda_graphs and engine.options.cuda_graph_batch_sizes:
             self.graphs = self.make_graphs(engine.options.cuda_graph_batch_sizes, compile=compile)
 
     def make_graphs(self, sizes, capture: bool = True, compile: bool = False):
-        """The draft step's CUDA graphs (draft_graphs.py); capture=False: their buffers and
-        padding run eagerly (the CPU tests)."""
+        """The draft step's CUDA graphs (draft_graphs.py); capture=False: run eagerly."""
         from .draft_graphs import DraftGraphs
         from .plan import cdiv
 
         eng = self.engine
         width = cdiv(eng.options.max_seq_len + self.block + 1, eng.kv_plan.block_size)
-        features = self._features if self.estimator is not None else None
         return DraftGraphs(self.drafter, self.kv, tuple(sizes), width, eng.device, capture, compile,
-                           features)
+                           self._features if self.estimator is not None else None)
 
     def _features(self, cand_scores: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
         """The estimator's features of the drafts that verification may take."""
@@ -180,7 +182,7 @@ class SpecDecoder:
     def in_graph(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Device-only: the drafter's context K/V of `hidden` rows into its cache at `slots`
         (-1: the scratch slot). Captured by the target's decode and verify graphs."""
-        k, v = self.drafter.context_kv(hidden, positions)
+        k, v = self._context_kv(hidden, positions)
         self.kv.write(slots, k, v)
 
     # ------------------------------------------------------------------ drafting
@@ -234,9 +236,8 @@ class SpecDecoder:
         for b, r in enumerate(go):
             table[b, :len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
         temps_t = torch.tensor(temps, dtype=torch.float32, device=dev)
-        out = self.drafter.draft(self.kv, torch.tensor(anchors, dtype=torch.int64, device=dev),
-                                 torch.tensor(starts, dtype=torch.int64, device=dev),
-                                 table.to(dev), uniforms, temps_t)
+        out = self.drafter.draft(self.kv, torch.tensor(anchors, device=dev),  # (int64)
+                                 torch.tensor(starts, device=dev), table.to(dev), uniforms, temps_t)
         return out, temps_t
 
     def _admit(self, out, temps: torch.Tensor, rooms: list[int], packed=None):
@@ -253,7 +254,7 @@ class SpecDecoder:
         both = packed.cpu()
         tokens = both[:, :self.block].long().tolist()
         feats = both[:, self.block:].float()
-        scores = self.estimator.predict(feats).double().cumprod(dim=1).numpy()
+        scores = self.estimator.survival_scores(feats.numpy())
         scores[np.arange(scores.shape[1]) >= np.array(n)[:, None]] = 0.0  # past each room
         if self._graph_step(len(rooms)):
             if self.graph_budget is None:
@@ -281,8 +282,8 @@ class SpecDecoder:
         """Fold the last graph step's host time in: its wall time from one draft choice to
         the next, less its graphs' measured cost (counted only when exactly one engine step,
         a graph step, ran in between)."""
-        now, eng = time.perf_counter(), self.engine
-        mark = (now, eng.stats["steps"], eng.stats["graph_steps"])
+        now, st = time.perf_counter(), self.engine.stats
+        mark = (now, st["steps"], st["graph_steps"])
         if self._timed is not None and self._mark is not None:
             t0, steps, graphs = self._mark
             if mark[1] - steps == 1 and mark[2] - graphs == 1:
@@ -351,21 +352,23 @@ class SpecDecoder:
         self.stats["spec_verify_steps"] += len(chunks)
         self.stats["spec_accepted_tokens"] += sum(res.num_accepted)
         if self.estimator is not None:
-            self._observe([c.request.draft_feats for c in chunks], num, res.num_accepted)
+            self._observe(torch.stack([c.request.draft_feats for c in chunks]).numpy(), num,
+                          res.num_accepted)
         return res
 
     OBSERVE_EVERY = 10  # verify steps folded into the estimator at once (divides REFIT_INTERVAL)
 
-    def _observe(self, feats: list, num: list[int], accepted: list[int]) -> None:
-        """Buffer a step's observations; fold them in every OBSERVE_EVERY steps (one call
-        instead of ten: the same statistics, since the fit only moves at a refit)."""
+    def _observe(self, feats, num: list[int], accepted: list[int]) -> None:
+        """Buffer a step's observations (feats [R, n] on the host); fold them in every
+        OBSERVE_EVERY steps (the same statistics: the fit only moves at a refit)."""
         buf = self._observed
-        buf[0].extend(feats)
+        buf[0].append(np.asarray(feats, dtype=np.float32))
         buf[1].extend(num)
         buf[2].extend(accepted)
         buf[3] += 1
         if buf[3] >= self.OBSERVE_EVERY:
-            self.estimator.observe(torch.stack(buf[0]), buf[1], buf[2], steps=buf[3])
+            self.estimator.observe(torch.from_numpy(np.concatenate(buf[0])), buf[1], buf[2],
+                                   steps=buf[3])
             self._observed = [[], [], [], 0]
 
     def _verify_sampled(self, chunks, logits, params, indices):
@@ -392,7 +395,6 @@ class SpecDecoder:
 
 
 def _sizes(max_batch: int, max_tokens: int) -> tuple[list[int], list[int]]:
-    rs = sorted({1, 2, 4, 8, 16, 32, 64, 128, max_batch} & set(range(1, max_batch + 1)))
-    ts = sorted({t for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, max_tokens) if t <= max_tokens})
-    return rs, ts
+    return (sorted({1, 2, 4, 8, 16, 32, 64, 128, max_batch} & set(range(1, max_batch + 1))),
+            sorted({t for t in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, max_tokens) if t <= max_tokens}))
 
