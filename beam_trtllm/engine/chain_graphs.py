@@ -3,10 +3,9 @@
 A chained step is: beam::verify_rows (the verify rows from the last drafts), the target's
 verify forward, the argmax of every row, beam::spec_accept (the next anchors and P0s into the
 draft step's inputs), the draft step, and the copies of its drafts and features. Launched one
-by one, that was eight host launches a step, and on an H200 the host took longer to launch
-them than the GPU to run them at batch 1 (0.28 ms against ~0.45 ms; with adaptive
-verification the host's choice on top made the step host-bound, docs/BENCHMARKS.md). Here the
-whole step is one graph: the verify forward's and the draft step's bodies are captured again,
+by one, that was eight host launches a step: ~0.28 ms of the host's ~0.46 ms a step at batch
+1 on an H200, where the GPU's step took ~0.45 ms (with adaptive verification's choice on
+top, the host was the limit; docs/BENCHMARKS.md). Here the whole step is one graph: the verify forward's and the draft step's bodies are captured again,
 into the verify graphs' memory pool (only their intermediates live there, and the steps never
 run at once, so the pool is shared rather than grown).
 
@@ -34,7 +33,6 @@ class ChainGraphs:
         num_features: the estimator's features per request (0: fixed verification)."""
         self.verify, self.draft, self.live, self.f = verify_graphs, draft_graphs, live, num_features
         self.block = draft_graphs.drafter.cfg.num_draft_tokens
-        self.max_batch = min(draft_graphs.max_batch, *(g.max_batch for g in verify_graphs.values()))
         b = draft_graphs.max_batch
         self.drafts = torch.zeros(b, self.block, dtype=torch.int64, device=device)
         self.out = {n: torch.zeros(b, 2 + n + num_features, dtype=torch.float64, device=device)
