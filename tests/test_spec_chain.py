@@ -27,15 +27,15 @@ def fp32_dir(trained_dir, tmp_path_factory):  # noqa: F811
                         BuildOptions(**OPTS, dtype="float32"), draft=trained_dir / "draft")
 
 
-def eager_graphs(eng: Engine) -> Engine:
+def eager_graphs(eng: Engine, sizes=SIZES, draft_sizes=SIZES) -> Engine:
     """The CUDA-graph steps' buffers and padding, run eagerly (the CPU has no graphs)."""
-    kw = dict(capture=False, sizes=SIZES, capture_layers=eng.capture, ring_len=eng.kv.ring_len,
+    kw = dict(capture=False, sizes=sizes, capture_layers=eng.capture, ring_len=eng.kv.ring_len,
               after=eng.spec.in_graph)
     eng.graphs = DecodeGraphs(eng.model, eng.options, eng.kv_plan, eng.cfg, eng.device, **kw)
     eng.verify_graphs = {n: DecodeGraphs(eng.model, eng.options, eng.kv_plan, eng.cfg,
                                          eng.device, tokens_per_seq=1 + n, **kw)
                          for n in eng.spec.verify_counts}
-    eng.spec.graphs = eng.spec.make_graphs(SIZES, capture=False)
+    eng.spec.graphs = eng.spec.make_graphs(draft_sizes, capture=False)
     return eng
 
 
@@ -131,13 +131,15 @@ def test_chained_steps_give_the_step_by_step_tokens(fp32_dir):
     assert_all_free(on)
 
 
-def test_a_chain_outlives_its_requests_ending(fp32_dir):
+@pytest.mark.parametrize("sizes", [(SIZES, SIZES), ((8,), (1, 4))], ids=["same", "verify-wider"])
+def test_a_chain_outlives_its_requests_ending(fp32_dir, sizes):
     """Three requests of different lengths start together: one chain carries all of them to
     the end (an ended request's rows turn to padding rows, the others go on), with the
-    drafts-off tokens and every block free at the end."""
+    drafts-off tokens and every block free at the end; also where the verify graph is wider
+    than the largest draft graph (batch-invariant mode: one verify size, max_batch)."""
     off = Engine.from_dir(fp32_dir, device="cpu", speculative=False)
     torch.set_num_threads(1)
-    on = eager_graphs(Engine.from_dir(fp32_dir, device="cpu", overlap=True))
+    on = eager_graphs(Engine.from_dir(fp32_dir, device="cpu", overlap=True), *sizes)
     starts, start = [], on._chain_start
 
     def count(chunks):

@@ -45,28 +45,33 @@ class ChainGraphs:
 
     def accept(self, logits: torch.Tensor, count: int, b: int, replay_draft: bool = True):
         """After a verify step of b sequences x (1 + count) rows (logits: its rows): accept
-        on the device, draft the next block -> out [b, 2 + count + f] (a static buffer).
+        on the device, draft the next block -> out [min(b, the draft graphs' largest size),
+        2 + count + f] (a static buffer).
         replay_draft: the draft graph's replay (a host-launched step) or its body (a capture)."""
-        g, q = self.verify[count], 1 + count
-        ids = g.buf["input_ids"][:b * q].view(b, q)
-        start = g.buf["positions"][:b * q:q]
-        d, out = self.draft.buf, self.out[count][:b]
-        torch.ops.beam.spec_accept(logits[:b * q].argmax(-1), ids, start, self.live,
+        # a verify graph may be wider than the largest draft graph (batch-invariant mode: one
+        # verify size, max_batch); its rows past that are padding (live 0), left out here
+        g, q, r = self.verify[count], 1 + count, min(b, self.draft.max_batch)
+        ids = g.buf["input_ids"][:r * q].view(r, q)
+        start = g.buf["positions"][:r * q:q]
+        d, out = self.draft.buf, self.out[count][:r]
+        torch.ops.beam.spec_accept(logits[:r * q].argmax(-1), ids, start, self.live,
                                    d["anchors"], d["start"], out, self.draft.pad_start)
         if replay_draft:
-            tokens, packed = self.draft.replay_rows(b)
+            tokens, packed = self.draft.replay_rows(r)
         else:
-            drafted, packed = self.draft._call(self.draft.size_for(b))
+            drafted, packed = self.draft._call(self.draft.size_for(r))
             tokens = drafted.tokens
-        self.drafts[:b].copy_(tokens[:b])
+        self.drafts[:r].copy_(tokens[:r])
         if self.f:  # the next drafts' features (the estimator's inputs) ride along
-            out[:, q + 1:].copy_(packed[:b, self.block:])
+            out[:r, q + 1:].copy_(packed[:r, self.block:])
         return out
 
     def _step(self, count: int, b: int) -> torch.Tensor:
         """A chained step of graph size b: the verify rows from the static drafts, the
         forward, the acceptance and the next drafts."""
         g, d = self.verify[count], self.draft.buf
+        # the draft graph's rows (a wider verify graph's rows past them keep the padding of
+        # the host's fill at the chain's start)
         g.fill_device(d["anchors"][:b], d["start"][:b], self.drafts[:b], self.live)
         return self.accept(g.forward_body(b), count, b, replay_draft=False)
 
@@ -88,7 +93,7 @@ class ChainGraphs:
         now = torch.cuda.current_stream(self.device)
         for count, g in self.verify.items():
             g.pad_all()
-            for b in sorted((s for s in g.sizes if s <= self.draft.max_batch), reverse=True):
+            for b in sorted(g.sizes, reverse=True):
                 stream.wait_stream(now)
                 with torch.cuda.stream(stream):
                     for _ in range(2):
