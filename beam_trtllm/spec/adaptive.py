@@ -80,15 +80,13 @@ class AcceptanceEstimator:
         `predict` in numpy with the fit cached (a chained step chooses its draft count from
         these each step: torch's per-op overhead was ~0.1 ms of it on the host)."""
         f = np.asarray(features, dtype=np.float64)
-        if f.ndim != 2 or f.shape[1] > self.num_positions:
-            raise SpecError(f"AcceptanceEstimator: features must be [R, N] with N <= "
-                            f"{self.num_positions}, got {f.shape}")
+        n = self._positions(f)
         fit = self._host_fit
         if fit is None or fit[0] is not self.slope or fit[1] is not self.intercepts:
             fit = self._host_fit = (self.slope, self.intercepts, float(self.slope),
                                     self.intercepts.cpu().numpy())
         slope, intercepts = fit[2:]
-        p = 1.0 / (1.0 + np.exp(-(slope * f + intercepts[:f.shape[1]])))
+        p = 1.0 / (1.0 + np.exp(-(slope * f + intercepts[:n])))
         return np.cumprod(p.astype(np.float32).astype(np.float64), axis=1)
 
     def observe(self, features: torch.Tensor, num_drafts: Sequence[int],
@@ -131,8 +129,9 @@ class AcceptanceEstimator:
         self.steps_since_refit = 0
         self.refits += 1
 
-    def _positions(self, features: torch.Tensor) -> int:
-        if features.dim() != 2 or features.shape[1] > self.num_positions:
+    def _positions(self, features) -> int:
+        """N of features [R, N] (a tensor or an array), checked against the positions."""
+        if features.ndim != 2 or features.shape[1] > self.num_positions:
             raise SpecError(f"AcceptanceEstimator: features must be [R, N] with N <= "
                             f"{self.num_positions}, got {tuple(features.shape)}")
         return features.shape[1]
